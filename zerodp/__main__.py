@@ -1,0 +1,5 @@
+import sys
+
+from zerodp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,169 @@
+"""Checkpoints: atomic publication, integrity manifest, metadata for conversion, resume discovery.
+
+Layout of one checkpoint (`<out_dir>/checkpoints/step_00000100/`):
+    meta.json          written last: format version, strategy, world size, step, config, parameter
+                       names/shapes/dtypes, and every file's size and sha256
+    trainer.json       step, tokens seen, and what the loop needs to continue
+    rng_rank{r}.safetensors   each rank's RNG state
+    ...                the strategy's own files (safetensors for single/ddp, DeepSpeed's files for ZeRO,
+                       a torch.distributed.checkpoint folder for FSDP)
+Every rank writes into `step_XXXXXXXX.tmp/`; after a barrier rank 0 writes the manifest, fsyncs, renames
+the folder to its final name and only then moves `latest`. A crash at any point leaves either the
+previous checkpoint as newest or a `.tmp` folder that is never mistaken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from zerodp.errors import CheckpointError
+
+FORMAT_VERSION = 1
+META = "meta.json"
+
+
+def checkpoint_root(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(strategy, out_dir: str | Path, step: int, trainer_state: dict, meta: dict, keep_last: int) -> Path:
+    """Collective: save the strategy's state and the trainer state at `step`; return the final folder."""
+    root = checkpoint_root(out_dir)
+    final = root / step_dir_name(step)
+    tmp = root / (step_dir_name(step) + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    strategy.save(tmp)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    save_file(rng, tmp / f"rng_rank{rank}.safetensors")
+    dist.barrier()  # every rank's files are on disk
+    if rank == 0:
+        (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
+        files = {}
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file():
+                files[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        meta = dict(meta, format_version=FORMAT_VERSION, step=step, files=files)
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        _fsync_tree(tmp)
+        if final.exists():  # a complete checkpoint of the same step from an earlier attempt
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(root / "latest", final.name + "\n")
+        _apply_retention(root, keep_last)
+    dist.barrier()
+    return final
+
+
+def _apply_retention(root: Path, keep_last: int) -> None:
+    """Delete complete checkpoints beyond the newest `keep_last`; never the newest intact one."""
+    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
+                      and (p / META).exists())
+    for old in complete[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify(ckpt: Path, deep: bool = True) -> str | None:
+    """Return None if `ckpt` is complete and intact, else the reason it is not (naming the file)."""
+    meta_path = ckpt / META
+    if not meta_path.is_file():
+        return f"{ckpt} has no {META} (an interrupted save)"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        return f"{meta_path} is not valid JSON ({e})"
+    for rel, info in meta.get("files", {}).items():
+        p = ckpt / rel
+        if not p.is_file():
+            return f"{p} is missing"
+        if p.stat().st_size != info["bytes"]:
+            return f"{p} has {p.stat().st_size} bytes, {info['bytes']} were saved (truncated or overwritten)"
+        if deep and sha256_file(p) != info["sha256"]:
+            return f"{p} fails its sha256 check (corrupted)"
+    return None
+
+
+def find_resumable(out_dir: str | Path) -> Path | None:
+    """The newest complete, intact checkpoint under out_dir; broken newer ones are skipped with a warning."""
+    root = checkpoint_root(out_dir)
+    if not root.is_dir():
+        return None
+    candidates = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+                        reverse=True)
+    for ckpt in candidates:
+        problem = verify(ckpt)
+        if problem is None:
+            return ckpt
+        print(f"zerodp: warning: skipping checkpoint {ckpt.name}: {problem}", file=sys.stderr)
+    return None
+
+
+def read_meta(ckpt: Path) -> dict:
+    return json.loads((ckpt / META).read_text())
+
+
+def load(strategy, ckpt: Path, world_size: int) -> dict:
+    """Collective: restore the strategy and RNG from `ckpt`; return the trainer state."""
+    meta = read_meta(ckpt)
+    if meta["strategy"] != strategy.name or meta["world_size"] != world_size:
+        raise CheckpointError(
+            f"{ckpt} was saved by strategy {meta['strategy']} on {meta['world_size']} processes; this run is "
+            f"{strategy.name} on {world_size}. Resume with the same strategy and world size, or start fresh "
+            f"with --fresh"
+        )
+    strategy.load(ckpt)
+    rng_file = ckpt / f"rng_rank{dist.get_rank()}.safetensors"
+    if rng_file.exists():
+        rng = load_file(rng_file)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return json.loads((ckpt / "trainer.json").read_text())

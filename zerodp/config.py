@@ -1,0 +1,413 @@
+"""zerodp's configuration: typed sections, strict YAML loading, `section.key=value` overrides.
+
+This module imports neither torch nor deepspeed, so the planner (`zerodp plan`) can read a training
+config instantly. Every field is documented where it is declared; `validate()` checks the values that
+do not depend on the world size, `check_batch_split()` the ones that do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from zerodp.errors import ConfigError
+
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "auto")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_embd: int = 128
+    """Hidden width."""
+    vocab_size: int = 256
+    """Vocabulary size. 256 covers the built-in byte-level tokenizer; GPT-2 uses 50257."""
+    block_size: int = 128
+    """Context length, and the sequence length every training sample has."""
+    bias: bool = True
+    """Biases in Linear and LayerNorm layers, as in GPT-2."""
+    dropout: float = 0.0
+    """Dropout probability. 0 keeps runs at different world sizes bit-comparable."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass instead of storing them."""
+    init_from: Optional[str] = None
+    """Start from these weights (safetensors file or convertible checkpoint) instead of random init."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"
+    """'builtin' (the Python standard library's source, byte-level), a text file, a folder of text
+    files, or a pre-tokenized token file (.bin, nanoGPT layout)."""
+    token_dtype: str = "uint16"
+    """Element type of a pre-tokenized .bin file: uint16 or uint32."""
+    val_fraction: float = 0.05
+    """Fraction of the tokens held out for validation (taken from the end of the stream)."""
+    cache_dir: Optional[str] = None
+    """Where tokenized data is cached as a memory-mapped file; default ~/.cache/zerodp."""
+    max_bytes: int = 4_000_000
+    """Upper bound on the text read for the built-in corpus or a folder (keeps the demo fast)."""
+    prefetch: int = 2
+    """Global batches prepared ahead of the training step by a background thread."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to lr over this many optimizer steps."""
+    decay_steps: Optional[int] = None
+    """Steps of the cosine decay after warmup; default: train.max_steps."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not biases, norms or embeddings)."""
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+    scale_lr_with_batch: bool = False
+    """Scale lr and min_lr linearly by global_batch_size / base_batch_size."""
+    base_batch_size: int = 32
+    """Reference global batch for the linear lr scaling."""
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = 16
+    """Sequences per optimizer step, summed over all ranks and accumulation steps."""
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward pass."""
+    max_steps: int = 100
+    """Optimizer steps to train for."""
+    seed: int = 1337
+    """Seeds initialisation and the data order; the batch of step k depends on (seed, k) only."""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16 (mixed precision with fp32 master weights)."""
+    out_dir: str = "runs/tiny"
+    """Run directory: resolved config, metrics.jsonl, checkpoints."""
+    eval_every: int = 50
+    """Validate every this many steps (and at the end); 0 disables validation."""
+    eval_batches: int = 4
+    """Micro batches per rank used for one validation."""
+    progress: bool = True
+    """Show a live progress bar on rank 0."""
+    sample_tokens: int = 200
+    """Tokens generated from the final model and printed at the end; 0 disables."""
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'."""
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "auto"
+    """single | ddp | zero1 | zero2 | zero3 | fsdp | auto."""
+    bucket_size_mb: int = 25
+    """Gradient bucket size for DDP and the DeepSpeed reduce/allgather buckets, in MB."""
+    overlap_comm: bool = True
+    """DeepSpeed: overlap gradient reduction with the backward pass."""
+    contiguous_gradients: bool = True
+    """DeepSpeed: copy gradients into one contiguous buffer as they are produced."""
+    offload_optimizer: bool = False
+    """Keep optimizer state (and the fp32 master weights) in CPU memory (zero1-3, fsdp)."""
+    offload_params: bool = False
+    """Keep parameters in CPU memory between uses (zero3, fsdp)."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (ZeRO-3-like); false keeps them (ZeRO-2-like)."""
+    timeout_s: int = 600
+    """Collective timeout: a rank that waits longer than this for its peers stops with an error."""
+    deepspeed: dict = field(default_factory=dict)
+    """Extra DeepSpeed config keys; they override the generated ones unless they contradict zerodp."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 50
+    """Save every this many optimizer steps (and always at the end); 0 saves only at the end."""
+    keep_last: int = 3
+    """Checkpoints kept on disk; older ones are deleted after a newer one is complete."""
+    resume: bool = True
+    """Resume from the newest checkpoint in out_dir when one exists (`--fresh` sets false)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Config":
+        """Check every value that does not depend on the world size; return self."""
+        m, t, o, s, c, d = self.model, self.train, self.optim, self.strategy, self.checkpoint, self.data
+        _positive("model.n_layer", m.n_layer)
+        _positive("model.n_head", m.n_head)
+        _positive("model.n_embd", m.n_embd)
+        _positive("model.vocab_size", m.vocab_size)
+        _positive("model.block_size", m.block_size)
+        if m.n_embd % m.n_head:
+            raise ConfigError(
+                f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
+                f"choose n_head among the divisors of n_embd (e.g. {_divisor_near(m.n_embd, m.n_head)})"
+            )
+        if not 0.0 <= m.dropout < 1.0:
+            raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+        if d.token_dtype not in ("uint16", "uint32"):
+            raise ConfigError(f"data.token_dtype={d.token_dtype!r} must be 'uint16' or 'uint32'")
+        if not 0.0 < d.val_fraction < 0.5:
+            raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+        _positive("data.max_bytes", d.max_bytes)
+        _non_negative("data.prefetch", d.prefetch)
+        _positive("optim.lr", o.lr, hint="a learning rate such as 3e-4")
+        _non_negative("optim.min_lr", o.min_lr)
+        if o.min_lr > o.lr:
+            raise ConfigError(f"optim.min_lr={o.min_lr} is above optim.lr={o.lr}; set min_lr <= lr")
+        _non_negative("optim.warmup_steps", o.warmup_steps)
+        if o.decay_steps is not None:
+            _positive("optim.decay_steps", o.decay_steps)
+        _non_negative("optim.weight_decay", o.weight_decay)
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(o, key) < 1.0:
+                raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1)")
+        _positive("optim.eps", o.eps)
+        _non_negative("optim.grad_clip", o.grad_clip, hint="0 disables clipping")
+        _positive("optim.base_batch_size", o.base_batch_size)
+        _positive("train.global_batch_size", t.global_batch_size)
+        _positive("train.micro_batch_size", t.micro_batch_size)
+        if t.global_batch_size % t.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={t.micro_batch_size}; make the global batch "
+                f"micro_batch_size x world_size x grad_accum_steps"
+            )
+        _positive("train.max_steps", t.max_steps)
+        _non_negative("train.seed", t.seed)
+        _one_of("train.precision", t.precision, PRECISIONS)
+        _one_of("train.device", t.device, ("auto", "cpu", "cuda"))
+        _non_negative("train.eval_every", t.eval_every)
+        _positive("train.eval_batches", t.eval_batches)
+        _non_negative("train.sample_tokens", t.sample_tokens)
+        if not t.out_dir:
+            raise ConfigError("train.out_dir is empty; set it to the run directory, e.g. runs/my_run")
+        _one_of("strategy.name", s.name, STRATEGIES)
+        _positive("strategy.bucket_size_mb", s.bucket_size_mb)
+        _positive("strategy.timeout_s", s.timeout_s)
+        _non_negative("checkpoint.every", c.every)
+        _positive("checkpoint.keep_last", c.keep_last)
+        return self
+
+    def check_batch_split(self, world_size: int) -> int:
+        """Return gradient accumulation steps for this world size, or explain why the split fails."""
+        t = self.train
+        per_step = t.micro_batch_size * world_size
+        if t.global_batch_size % per_step:
+            ok = [w for w in range(1, 65) if t.global_batch_size % (t.micro_batch_size * w) == 0]
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={t.micro_batch_size} x world_size={world_size} = {per_step}; "
+                f"change micro_batch_size or global_batch_size, or run on one of {ok[:8]} processes"
+            )
+        return t.global_batch_size // per_step
+
+
+def _positive(key: str, value, hint: str = "") -> None:
+    if not value > 0:
+        raise ConfigError(f"{key}={value} must be positive" + (f" ({hint})" if hint else ""))
+
+
+def _non_negative(key: str, value, hint: str = "") -> None:
+    if value < 0:
+        raise ConfigError(f"{key}={value} must not be negative" + (f" ({hint})" if hint else ""))
+
+
+def _one_of(key: str, value, allowed) -> None:
+    if value not in allowed:
+        close = difflib.get_close_matches(str(value), allowed, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"{key}={value!r} is not one of {' | '.join(allowed)}{hint}")
+
+
+def _divisor_near(n: int, k: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in _SECTIONS}
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _coerce(where: str, key: str, value: Any, typ: Any) -> Any:
+    """Check `value` against the declared type `typ`; return it converted where lossless."""
+    origin = typing.get_origin(typ)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(typ) if a is not type(None)]
+        return _coerce(where, key, value, inner)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} in {where} must be true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:  # YAML reads 1e6 as a string; accept it when it is a whole number
+                f = float(value)
+                if f.is_integer():
+                    return int(f)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} in {where} must be an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:  # YAML 1.1 reads 3e-4 (no dot) as a string
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} in {where} must be a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} in {where} must be a string, got {value!r}")
+    if typ is dict:
+        if isinstance(value, dict):
+            return value
+        raise ConfigError(f"{key} in {where} must be a mapping, got {value!r}")
+    raise AssertionError(f"unhandled config type {typ}")
+
+
+def _unknown(key: str, valid, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+    return ConfigError(f"unknown key {key!r} in {where}{hint}")
+
+
+def from_dict(raw: dict, where: str = "config") -> Config:
+    """Build a validated-type Config from nested dicts, rejecting unknown keys."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping of sections (model:, train:, ...), got {type(raw).__name__}")
+    sections = _section_types()
+    built = {}
+    for name, body in raw.items():
+        if name not in sections:
+            raise _unknown(str(name), sections, where)
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            raise ConfigError(f"section {name!r} in {where} must be a mapping of keys, got {body!r}")
+        cls = sections[name]
+        types = _field_types(cls)
+        kwargs = {}
+        for key, value in body.items():
+            if key not in types:
+                raise _unknown(f"{name}.{key}", [f"{name}.{k}" for k in types], where)
+            kwargs[key] = _coerce(where, f"{name}.{key}", value, types[key])
+        built[name] = cls(**kwargs)
+    return Config(**built)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """Parse `section.key=value` (value read as YAML, so 3e-4, true, null work)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"override {text!r} is not of the form section.key=value (e.g. train.max_steps=50)")
+    path, value = text.split("=", 1)
+    section, key = path.split(".", 1)
+    try:
+        parsed = yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError:
+        parsed = value
+    return section, key, parsed
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config (or start from defaults when path is None), apply overrides, validate."""
+    raw: dict = {}
+    where = "defaults"
+    if path is not None:
+        p = Path(path)
+        where = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found; pass a path such as configs/tiny.yaml")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or "invalid YAML"
+            raise ConfigError(f"YAML syntax error in {p}{at}: {problem}; fix the file's indentation/quoting") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p} must be a mapping of sections (model:, train:, ...)")
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        body = raw.setdefault(section, {})
+        if not isinstance(body, dict):
+            body = raw[section] = {}
+        if section == "strategy" and key.startswith("deepspeed."):
+            _set_nested(body.setdefault("deepspeed", {}), key.split(".")[1:], value)
+        else:
+            body[key] = value
+    cfg = from_dict(raw, where if not overrides else f"{where} (with overrides)")
+    return cfg.validate()
+
+
+def _set_nested(d: dict, keys: list[str], value: Any) -> None:
+    for k in keys[:-1]:
+        d = d.setdefault(k, {})
+    d[keys[-1]] = value
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def lr_scale(cfg: Config) -> float:
+    o = cfg.optim
+    return cfg.train.global_batch_size / o.base_batch_size if o.scale_lr_with_batch else 1.0
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
+    o = cfg.optim
+    scale = lr_scale(cfg)
+    lr, min_lr = o.lr * scale, o.min_lr * scale
+    if step < o.warmup_steps:
+        return lr * (step + 1) / o.warmup_steps
+    decay = o.decay_steps if o.decay_steps is not None else max(1, cfg.train.max_steps - o.warmup_steps)
+    progress = min(1.0, (step - o.warmup_steps) / decay)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)

@@ -1,0 +1,159 @@
+"""Data: a token stream in a memory-mapped file, and batches that are pure functions of (seed, step).
+
+The global batch of optimizer step k is drawn from a generator seeded with (seed, k, split), so it is
+the same whatever the world size and micro-batch split; rank r takes rows
+[r * per_rank, (r + 1) * per_rank) of it, cut into micro batches. A run on 1 process and one on N
+processes therefore see exactly the same samples per step, and resuming needs only the step number.
+
+Sources: 'builtin' (the Python standard library's own source files, present wherever Python is), a text
+file, a folder of text files (both byte-level: token = byte, vocabulary 256), or a pre-tokenized token
+file (.bin, nanoGPT's layout: a flat array of uint16 or uint32 token ids).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import sysconfig
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from zerodp.config import Config
+from zerodp.errors import UserError
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".tex")
+
+
+def _text_files(source: str) -> list[Path]:
+    if source == "builtin":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return sorted(p for p in root.glob("*.py"))
+    p = Path(source)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise UserError(f"data.source {p} holds no text files ({', '.join(TEXT_SUFFIXES)}); point it at text")
+        return files
+    raise UserError(f"data.source {source!r} not found; use 'builtin', a text file or folder, or a .bin token file")
+
+
+def _cache_dir(cfg: Config) -> Path:
+    return Path(cfg.data.cache_dir or os.environ.get("ZERODP_CACHE", Path.home() / ".cache" / "zerodp"))
+
+
+def _tokenize_to_cache(cfg: Config) -> Path:
+    """Byte-level tokenize the text source once into a uint16 memmap file; return its path."""
+    files = _text_files(cfg.data.source)
+    key = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        key.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
+    key.update(str(cfg.data.max_bytes).encode())
+    out = _cache_dir(cfg) / f"bytes-{key.hexdigest()[:16]}.bin"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    chunks, total = [], 0
+    for f in files:
+        data = f.read_bytes()[: cfg.data.max_bytes - total]
+        chunks.append(data)
+        total += len(data)
+        if total >= cfg.data.max_bytes:
+            break
+    tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.uint16)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tokens.tofile(tmp)
+    os.replace(tmp, out)  # atomic: ranks racing to build the cache all publish the same bytes
+    return out
+
+
+def load_tokens(cfg: Config) -> np.ndarray:
+    """The whole token stream as a read-only memmap."""
+    src = cfg.data.source
+    if src != "builtin" and src.endswith(".bin"):
+        path, dtype = Path(src), np.dtype(cfg.data.token_dtype)
+        if not path.is_file():
+            raise UserError(f"data.source {src} not found; give the path of a pre-tokenized .bin file")
+        if path.stat().st_size % dtype.itemsize:
+            raise UserError(f"{src} is not a whole number of {dtype.name} tokens; check data.token_dtype")
+    else:
+        if cfg.model.vocab_size < 256:
+            raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below 256, too small for byte-level "
+                            f"text from data.source={src!r}; set model.vocab_size >= 256")
+        path, dtype = _tokenize_to_cache(cfg), np.dtype(np.uint16)
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    sample_max = int(tokens[: 1 << 20].max()) if len(tokens) else 0
+    if sample_max >= cfg.model.vocab_size:
+        raise UserError(f"{path} holds token id {sample_max} >= model.vocab_size={cfg.model.vocab_size}; "
+                        f"raise model.vocab_size or check data.token_dtype")
+    return tokens
+
+
+class TokenBatches:
+    """Deterministic batches from one split (train or val) of the token stream."""
+
+    def __init__(self, tokens: np.ndarray, cfg: Config, split: str):
+        n_val = int(len(tokens) * cfg.data.val_fraction)
+        self.tokens = tokens[: len(tokens) - n_val] if split == "train" else tokens[len(tokens) - n_val :]
+        self.block = cfg.model.block_size
+        if len(self.tokens) <= self.block + 1:
+            raise UserError(f"the {split} split has {len(self.tokens)} tokens, fewer than model.block_size+2="
+                            f"{self.block + 2}; use more data or a smaller block_size / data.val_fraction")
+        self.seed = cfg.train.seed
+        self.split_id = 0 if split == "train" else 1
+
+    def offsets(self, step: int, rows: int) -> np.ndarray:
+        """Start offsets of the `rows` sequences of global batch `step`: a pure function of (seed, step)."""
+        rng = np.random.Generator(np.random.PCG64([self.seed, step, self.split_id]))
+        return rng.integers(0, len(self.tokens) - self.block - 1, size=rows)
+
+    def rows(self, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        T = self.block
+        buf = np.stack([np.asarray(self.tokens[o : o + T + 1], dtype=np.int64) for o in offsets])  # (B, T+1)
+        t = torch.from_numpy(buf)
+        return t[:, :-1], t[:, 1:]
+
+    def rank_micro_batches(self, step: int, global_batch: int, micro: int, rank: int, world: int):
+        """This rank's micro batches of global batch `step`: a list of (x, y), each (micro, T)."""
+        per_rank = global_batch // world
+        mine = self.offsets(step, global_batch)[rank * per_rank : (rank + 1) * per_rank]
+        return [self.rows(mine[i : i + micro]) for i in range(0, per_rank, micro)]
+
+
+def prefetch(batches: TokenBatches, steps: range, cfg: Config, rank: int, world: int, depth: int) -> Iterator:
+    """Yield (step, micro_batches) for `steps`, prepared `depth` steps ahead by a background thread."""
+    t = cfg.train
+    if depth == 0:
+        for s in steps:
+            yield s, batches.rank_micro_batches(s, t.global_batch_size, t.micro_batch_size, rank, world)
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work():
+        for s in steps:
+            item = (s, batches.rank_micro_batches(s, t.global_batch_size, t.micro_batch_size, rank, world))
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if stop.is_set():
+                return
+        q.put(None)
+
+    thread = threading.Thread(target=work, daemon=True, name="zerodp-prefetch")
+    thread.start()
+    try:
+        while (item := q.get()) is not None:
+            yield item
+    finally:
+        stop.set()

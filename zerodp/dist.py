@@ -1,0 +1,99 @@
+"""Process-group set-up from the launcher's environment, and small collective helpers.
+
+Works under the deepspeed launcher, torchrun (including elastic restarts), Slurm (srun sets SLURM_*),
+and as one plain process. gloo on CPU, nccl on CUDA (with gloo beside it for CPU tensors).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    host: str
+
+
+def _env_int(*names: str, default: int) -> int:
+    for n in names:
+        if os.environ.get(n) not in (None, ""):
+            return int(os.environ[n])
+    return default
+
+
+def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv:
+    """Initialise (or reuse) the default process group; a world of one when no launcher set one up."""
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    use_cuda = torch.cuda.is_available() and device_pref in ("auto", "cuda")
+    if device_pref == "cuda" and not torch.cuda.is_available():
+        from zerodp.errors import UserError
+
+        raise UserError("train.device=cuda but no CUDA device is visible; set train.device=auto or cpu")
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" not in os.environ:  # one plain process: an in-memory store is enough
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        else:
+            store = _elastic_store(rank, world, timeout)
+            if store is None:
+                dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    return DistEnv(rank, world, local_rank, device, socket.gethostname())
+
+
+def _elastic_store(rank: int, world: int, timeout: datetime.timedelta):
+    """Under torchrun restarts, a store namespaced by the restart count.
+
+    torchrun hands restarted workers the agent's TCPStore; a plain env:// init would read the previous
+    attempt's keys and fail to connect ("Gloo connectFullMesh failed"). Prefixing by
+    TORCHELASTIC_RESTART_COUNT gives every attempt a clean namespace."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        return None
+    use_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=not use_agent and rank == 0, timeout=timeout,
+    )
+    return dist.PrefixStore(f"zerodp/restart{restart}/", base)
+
+
+def all_gather_floats(values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (same length everywhere), on every rank. Uses the CPU (gloo) path."""
+    t = torch.tensor(values, dtype=torch.float64)
+    world = dist.get_world_size()
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def broadcast_object(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,18 @@
+"""User-facing errors.
+
+Anything the user can fix (a bad config, a missing file, an impossible batch split) raises
+`UserError` with a message that says what is wrong and how to fix it. The CLI prints it as one line
+on stderr and exits with code 2; nothing else is printed. `assert` is kept for internal invariants.
+"""
+
+
+class UserError(Exception):
+    """An error in the user's input; the message says what is wrong and how to fix it."""
+
+
+class ConfigError(UserError):
+    """An invalid configuration file or override."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete, corrupted or incompatible."""

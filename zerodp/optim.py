@@ -1,0 +1,33 @@
+"""AdamW parameter groups and the learning-rate schedule, shared by every strategy.
+
+Weight decay applies to matrices (Linear weights) only. Biases and LayerNorm parameters are never
+decayed, and neither is the token/position embedding: decaying it pulls rare tokens' rows towards zero,
+and GPT-2's tied embedding doubles as the output layer (the choice of nanoGPT's successors and Llama
+recipes alike). With tied embeddings the shared tensor appears once.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from zerodp.config import Config, lr_at  # noqa: F401  (lr_at re-exported: the schedule lives in config)
+
+
+def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
+    """Two AdamW groups: decayed matrices and everything else, each in a stable (name) order."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():  # named_parameters() yields a tied tensor once
+        if not p.requires_grad:
+            continue
+        is_embedding = name.endswith(("wte.weight", "wpe.weight"))
+        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": cfg.optim.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def adamw_kwargs(cfg: Config) -> dict:
+    """AdamW hyper-parameters (lr is set by the loop at every step)."""
+    o = cfg.optim
+    return {"lr": lr_at(cfg, 0), "betas": (o.beta1, o.beta2), "eps": o.eps}

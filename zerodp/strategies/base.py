@@ -1,0 +1,74 @@
+"""The strategy interface: the whole surface the training loop uses.
+
+A strategy decides where parameters, gradients and optimizer state live and how gradients are
+reduced; it never changes the gradient. The loop calls, per optimizer step:
+
+    for i in range(grad_accum_steps):
+        with strategy.micro_step(is_last=i == grad_accum_steps - 1):   # no_sync / boundary
+            with strategy.autocast():
+                loss = strategy.model(x, y)                                # micro-batch mean
+            strategy.backward(loss)                                        # scales by 1/grad_accum
+    grad_norm = strategy.step(lr)                                          # clip, step, zero grads
+
+Each backend lives in its own file and implements this Protocol; none inherits from another.
+Shared helpers are plain functions in `zerodp/strategies/common.py`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from zerodp.config import Config
+
+
+@dataclass
+class RunContext:
+    """What a strategy needs to know about the job it runs in."""
+
+    cfg: Config
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    grad_accum_steps: int
+
+
+class Strategy(Protocol):
+    name: str
+    model: nn.Module
+    """The module the loop calls: `loss = strategy.model(x, y)`; wrapped (DDP, engine, FSDP) as needed."""
+
+    def setup(self, model: nn.Module, ctx: RunContext) -> None:
+        """Move/shard `model`, build AdamW over `zerodp.optim.param_groups(model, cfg)`."""
+
+    def micro_step(self, is_last: bool) -> AbstractContextManager:
+        """Context for one micro-batch's forward and backward; gradients are reduced only when is_last."""
+
+    def autocast(self) -> AbstractContextManager:
+        """Context for the forward pass (mixed precision where the strategy computes in 16 bits)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of a micro-batch mean loss, scaled by 1/grad_accum_steps (and the loss scale)."""
+
+    def step(self, lr: float) -> float:
+        """Set lr, clip to optim.grad_clip, take the optimizer step, zero the gradients.
+
+        Returns the global gradient L2 norm before clipping (identical on every rank)."""
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now, counted from live tensors: keys 'params', 'grads', 'optim'."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the full fp32 model weights (by the model's own parameter names) on every rank."""
+
+    def save(self, ckpt_dir: Path) -> None:
+        """Collective: write this rank's model and optimizer state files into ckpt_dir."""
+
+    def load(self, ckpt_dir: Path) -> None:
+        """Collective: restore model and optimizer state saved by `save` at the same world size."""

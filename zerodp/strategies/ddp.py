@@ -1,0 +1,77 @@
+"""torch DistributedDataParallel: every rank holds everything; gradients are all-reduced.
+
+Gradient accumulation uses DDP's `no_sync()` on all but the last micro batch, so gradients cross the
+network once per optimizer step. Mixed precision is autocast over fp32 parameters: the fp32 weights are
+the master weights, gradients are fp32 and reduced in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from zerodp.optim import adamw_kwargs, param_groups
+from zerodp.strategies.base import RunContext
+from zerodp.strategies.common import (autocast_context, load_replicated, optimizer_state_tensors,
+                                      save_replicated, set_lr, tensor_bytes)
+
+
+class DDPStrategy:
+    name = "ddp"
+
+    def setup(self, model: nn.Module, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.module = model.to(ctx.device)
+        self.model = DistributedDataParallel(
+            self.module,
+            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+            bucket_cap_mb=ctx.cfg.strategy.bucket_size_mb,
+        )
+        self.optimizer = torch.optim.AdamW(param_groups(self.module, ctx.cfg), **adamw_kwargs(ctx.cfg))
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
+
+    def micro_step(self, is_last: bool):
+        # no_sync must cover forward and backward: DDP decides in forward whether to reduce.
+        return contextlib.nullcontext() if is_last else self.model.no_sync()
+
+    def autocast(self):
+        return autocast_context(self.ctx.cfg.train.precision, self.ctx.device)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss / self.ctx.grad_accum_steps).backward()
+
+    def step(self, lr: float) -> float:
+        set_lr(self.optimizer, lr)
+        self.scaler.unscale_(self.optimizer)
+        clip = self.ctx.cfg.optim.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip if clip > 0 else float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def state_bytes(self) -> dict[str, int]:
+        params = list(self.module.parameters())
+        return {
+            "params": tensor_bytes(params),
+            "grads": tensor_bytes(p.grad for p in params),
+            "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)),
+        }
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float() for n, p in self.module.named_parameters()}
+
+    def save(self, ckpt_dir: Path) -> None:
+        # Replicas are identical: rank 0 writes the one copy.
+        if dist.get_rank() == 0:
+            save_replicated(self.module, self.optimizer, ckpt_dir, {"scaler": self.scaler.state_dict()})
+
+    def load(self, ckpt_dir: Path) -> None:
+        extra = load_replicated(self.module, self.optimizer, ckpt_dir)
+        if extra.get("scaler"):
+            self.scaler.load_state_dict(extra["scaler"])

@@ -1,0 +1,206 @@
+"""The training loop: the same for every strategy (it never branches on the strategy's name)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from zerodp import checkpoint
+from zerodp.config import Config, dump_yaml, lr_at
+from zerodp.data import TokenBatches, load_tokens, prefetch
+from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
+from zerodp.errors import UserError
+from zerodp.model import GPT, param_count
+from zerodp.strategies import RunContext, make_strategy
+
+
+def log(env: DistEnv, msg: str) -> None:
+    if env.rank == 0:
+        print(f"zerodp: {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_strategy(cfg: Config, env: DistEnv) -> str:
+    """The strategy to run: the configured one, or for `auto` the planner's choice."""
+    name = cfg.strategy.name
+    if name == "auto":
+        name = "single" if env.world_size == 1 else "ddp"
+    if name == "single" and env.world_size > 1:
+        raise UserError(f"strategy.name=single cannot run on {env.world_size} processes; use ddp (or launch one process)")
+    return name
+
+
+def check_out_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write_test_{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise UserError(f"train.out_dir {out_dir} is not writable ({e.strerror}); choose a directory you can write to") from None
+
+
+def run_metadata(cfg: Config, strategy_name: str, env: DistEnv, model: torch.nn.Module) -> dict:
+    """What conversion and resume need to know about a checkpoint, besides its files."""
+    return {
+        "strategy": strategy_name,
+        "world_size": env.world_size,
+        "precision": cfg.train.precision,
+        "config": cfg.to_dict(),
+        "params": {n: {"shape": list(p.shape), "dtype": "float32"} for n, p in model.named_parameters()},
+        "tied": {"lm_head.weight": "transformer.wte.weight"},
+        "torch_version": torch.__version__,
+    }
+
+
+def train(cfg: Config, fresh: bool = False) -> dict:
+    """Train per `cfg` under the launcher's process group; return a summary of the run."""
+    env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
+    grad_accum = cfg.check_batch_split(env.world_size)
+    name = resolve_strategy(cfg, env)
+    out_dir = Path(cfg.train.out_dir)
+    if env.rank == 0:
+        check_out_dir(out_dir)
+        (out_dir / "config.yaml").write_text(dump_yaml(cfg))
+    dist.barrier()
+
+    tokens = load_tokens(cfg)  # before the model: a bad data source fails fast
+    train_data, val_data = TokenBatches(tokens, cfg, "train"), TokenBatches(tokens, cfg, "val")
+
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    model = GPT(cfg.model)
+    strategy = make_strategy(name)
+    ctx = RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, grad_accum)
+    strategy.setup(model, ctx)
+    log(env, f"strategy {name} on {env.world_size} process(es), {param_count(cfg.model):,} parameters, "
+             f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
+             f"world {env.world_size} x accum {grad_accum}")
+    held = strategy.state_bytes()
+    log(env, "rank 0 holds " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in held.items()))
+
+    start, tokens_seen = 0, 0
+    if cfg.checkpoint.resume and not fresh:
+        found = checkpoint.find_resumable(out_dir) if env.rank == 0 else None
+        found = broadcast_object(str(found) if found else None)
+        if found:
+            state = checkpoint.load(strategy, Path(found), env.world_size)
+            start, tokens_seen = state["step"], state["tokens"]
+            log(env, f"resumed from {found} at step {start}")
+    meta = run_metadata(cfg, name, env, model)
+
+    metrics_path = out_dir / "metrics.jsonl"
+    if env.rank == 0:
+        _truncate_metrics(metrics_path, start)
+    bar = _progress(cfg, env, start)
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
+    losses: dict[int, float] = {}
+    t_end = time.perf_counter()
+    strategy.model.train()
+    for step, micro_batches in prefetch(train_data, range(start, cfg.train.max_steps), cfg,
+                                        env.rank, env.world_size, cfg.data.prefetch):
+        t0 = time.perf_counter()
+        data_wait = t0 - t_end
+        lr = lr_at(cfg, step)
+        loss_sum = torch.zeros((), device=env.device)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            with strategy.micro_step(is_last=i == len(micro_batches) - 1):
+                with strategy.autocast():
+                    loss = strategy.model(x, y)
+                strategy.backward(loss)
+            loss_sum += loss.detach().float()
+        grad_norm = strategy.step(lr)
+        local_loss = (loss_sum / len(micro_batches)).item()  # syncs the device: step time is real
+        step_time = time.perf_counter() - t0
+        per_rank = all_gather_floats([local_loss, step_time, data_wait])
+        loss_mean = sum(r[0] for r in per_rank) / env.world_size
+        times = [r[1] for r in per_rank]
+        slowest = max(range(env.world_size), key=lambda r: times[r])
+        done = step + 1
+        tokens_seen += tokens_per_step
+        losses[done] = loss_mean
+        record = {
+            "step": done, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
+            "tokens_per_s": tokens_per_step / max(times), "step_time_s": step_time,
+            "max_step_time_s": times[slowest], "slowest_rank": slowest,
+            "data_wait_s": max(r[2] for r in per_rank),
+        }
+        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.max_steps):
+            record["val_loss"] = evaluate(strategy, val_data, cfg, env)
+        if env.rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss_mean:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            bar.update(1)
+        if done == cfg.train.max_steps or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
+            trainer_state = {"step": done, "tokens": tokens_seen, "loss": loss_mean}
+            checkpoint.save(strategy, out_dir, done, trainer_state, meta, cfg.checkpoint.keep_last)
+        t_end = time.perf_counter()
+    if bar is not None:
+        bar.close()
+
+    summary = {"strategy": name, "world_size": env.world_size, "losses": losses,
+               "final_step": cfg.train.max_steps}
+    if cfg.train.sample_tokens:
+        summary["sample"] = sample(strategy, cfg, env)
+        log(env, "sample:\n" + summary["sample"])
+    return summary
+
+
+@torch.no_grad()
+def evaluate(strategy, val_data: TokenBatches, cfg: Config, env: DistEnv) -> float:
+    """Mean validation loss over eval_batches micro batches per rank, averaged over ranks."""
+    strategy.model.eval()
+    total = torch.zeros((), device=env.device)
+    micro = cfg.train.micro_batch_size
+    for i in range(cfg.train.eval_batches):
+        # Fixed validation batches: step index i of the validation split.
+        x, y = val_data.rank_micro_batches(i, micro * env.world_size, micro, env.rank, env.world_size)[0]
+        with strategy.autocast():
+            total += strategy.model(x.to(env.device), y.to(env.device)).float()
+    strategy.model.train()
+    vals = all_gather_floats([total.item() / cfg.train.eval_batches])
+    return sum(v[0] for v in vals) / env.world_size
+
+
+def sample(strategy, cfg: Config, env: DistEnv) -> str:
+    """Generate from the final weights (gathered in full on every rank; printed by rank 0)."""
+    weights = strategy.full_state_dict()
+    if env.rank != 0:
+        return ""
+    model = GPT(cfg.model)
+    model.load_state_dict(weights, strict=False)  # lm_head.weight is tied to wte
+    model.eval()
+    prompt = torch.tensor([list(b"def ")], dtype=torch.long) if cfg.model.vocab_size >= 256 else \
+        torch.zeros((1, 1), dtype=torch.long)
+    torch.manual_seed(cfg.train.seed)
+    out = model.generate(prompt, cfg.train.sample_tokens)[0].tolist()
+    if cfg.model.vocab_size >= 256 and max(out) < 256:
+        return bytes(out).decode("utf-8", errors="replace")
+    return " ".join(map(str, out))
+
+
+def _truncate_metrics(path: Path, start: int) -> None:
+    """On resume, drop records past the checkpoint so metrics.jsonl reads as one run."""
+    if not path.exists():
+        return
+    if start == 0:
+        path.unlink()
+        return
+    kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
+    path.write_text("".join(ln + "\n" for ln in kept))
+
+
+def _progress(cfg: Config, env: DistEnv, start: int):
+    if env.rank != 0 or not cfg.train.progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.train.max_steps, initial=start, desc="train", unit="step", dynamic_ncols=True,
+                file=sys.stderr)

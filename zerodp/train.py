@@ -58,8 +58,11 @@ def run_metadata(cfg: Config, strategy_name: str, env: DistEnv, model: torch.nn.
     }
 
 
-def train(cfg: Config, fresh: bool = False) -> dict:
-    """Train per `cfg` under the launcher's process group; return a summary of the run."""
+def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dict:
+    """Train per `cfg` under the launcher's process group; return a summary of the run.
+
+    The summary holds the strategy name, world size, {step: mean loss} of the steps run here, the
+    bytes rank-local state held at start, and with `return_weights` the final full fp32 weights."""
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
     grad_accum = cfg.check_batch_split(env.world_size)
     name = resolve_strategy(cfg, env)
@@ -146,7 +149,9 @@ def train(cfg: Config, fresh: bool = False) -> dict:
         bar.close()
 
     summary = {"strategy": name, "world_size": env.world_size, "losses": losses,
-               "final_step": cfg.train.max_steps}
+               "final_step": cfg.train.max_steps, "state_bytes": held}
+    if return_weights:
+        summary["weights"] = strategy.full_state_dict()
     if cfg.train.sample_tokens:
         summary["sample"] = sample(strategy, cfg, env)
         log(env, "sample:\n" + summary["sample"])

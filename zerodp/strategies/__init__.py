@@ -11,6 +11,10 @@ from zerodp.strategies.base import RunContext, Strategy
 _REGISTRY = {
     "single": ("zerodp.strategies.single", "SingleStrategy", {}),
     "ddp": ("zerodp.strategies.ddp", "DDPStrategy", {}),
+    "zero1": ("zerodp.strategies.zero", "ZeroStrategy", {"stage": 1}),
+    "zero2": ("zerodp.strategies.zero", "ZeroStrategy", {"stage": 2}),
+    "zero3": ("zerodp.strategies.zero", "ZeroStrategy", {"stage": 3}),
+    "fsdp": ("zerodp.strategies.fsdp", "FSDPStrategy", {}),
 }
 
 

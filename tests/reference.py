@@ -1,0 +1,32 @@
+"""The reference every strategy must match: one process, plain torch.optim.AdamW, the global batch."""
+
+from __future__ import annotations
+
+import torch
+
+from zerodp.config import Config, lr_at
+from zerodp.data import TokenBatches, load_tokens
+from zerodp.model import GPT
+from zerodp.optim import param_groups
+
+
+def reference_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train on the full global batch of every step in one forward/backward; return losses and weights."""
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model)
+    o = cfg.optim
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=lr_at(cfg, 0), betas=(o.beta1, o.beta2), eps=o.eps)
+    data = TokenBatches(load_tokens(cfg), cfg, "train")
+    G = cfg.train.global_batch_size
+    losses = []
+    for step in range(cfg.train.max_steps):
+        x, y = data.rows(data.offsets(step, G))
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
+        for g in opt.param_groups:
+            g["lr"] = lr_at(cfg, step)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

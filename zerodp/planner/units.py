@@ -1,0 +1,63 @@
+"""Reading and printing sizes: `80GB`, `80GiB`, `7.5e9`, `7B`.
+
+GB means 10**9 bytes and GiB 2**30, as on datasheets and in `nvidia-smi` respectively; a bare
+number of bytes is refused because users mean one or the other and guessing would be off by 7%.
+"""
+
+from __future__ import annotations
+
+import re
+
+from zerodp.errors import UserError
+
+_BYTE_UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+_NUMBER = r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)"
+
+
+def parse_bytes(text: str, what: str = "--hbm") -> int:
+    """Bytes in `text` such as '80GB' (80e9), '80GiB' (80*2**30), '512 GB'; UserError otherwise."""
+    m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", str(text).strip().lower())
+    if not m or m.group(2) not in _BYTE_UNITS:
+        raise UserError(
+            f"{what} {text!r} is not a size; write a number and a unit, e.g. 80GB (80e9 bytes) "
+            f"or 80GiB (80*2**30 bytes); units: {', '.join(k.upper() for k in _BYTE_UNITS if k != 'b')}"
+        )
+    value = float(m.group(1)) * _BYTE_UNITS[m.group(2)]
+    if value <= 0:
+        raise UserError(f"{what} {text!r} must be a positive size, e.g. 80GB")
+    return int(value)
+
+
+def parse_count(text: str, what: str = "--params") -> int:
+    """A count such as '7.5e9', '7B', '124M', '1,557,611,200'; UserError otherwise."""
+    m = re.fullmatch(_NUMBER + r"([kmbt]?)", str(text).strip().lower().replace(",", "").replace("_", ""))
+    if not m:
+        raise UserError(f"{what} {text!r} is not a number; write e.g. 7.5e9, 7B or 124M")
+    value = int(round(float(m.group(1)) * _COUNT_SUFFIXES[m.group(2)]))
+    if value <= 0:
+        raise UserError(f"{what} {text!r} must be positive, e.g. 7B")
+    return value
+
+
+def gb(n: float) -> str:
+    """Bytes as decimal GB with one decimal, e.g. '13.5 GB'."""
+    return f"{n / 1e9:.1f} GB"
+
+
+def human_count(n: int) -> str:
+    """A parameter count as '124.4M' or '6.74B'."""
+    if n >= 10**9:
+        return f"{n / 1e9:.2f}B"
+    if n >= 10**6:
+        return f"{n / 1e6:.1f}M"
+    return f"{n / 1e3:.1f}K" if n >= 10**3 else str(n)
+
+
+def seconds(s: float) -> str:
+    """A duration as '850 ms' or '1.23 s'."""
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"

@@ -306,9 +306,22 @@ def _coerce(where: str, key: str, value: Any, typ: Any) -> Any:
         raise ConfigError(f"{key} in {where} must be a string, got {value!r}")
     if typ is dict:
         if isinstance(value, dict):
-            return value
+            return _numbers(value)
         raise ConfigError(f"{key} in {where} must be a mapping, got {value!r}")
     raise AssertionError(f"unhandled config type {typ}")
+
+
+def _numbers(value: Any) -> Any:
+    """Recursively turn number-like strings (YAML 1.1's '1e6') into numbers in a free-form mapping."""
+    if isinstance(value, dict):
+        return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, str):
+        try:
+            f = float(value)
+        except ValueError:
+            return value
+        return int(f) if f.is_integer() and "e" in value.lower() else f if not value.isdigit() else int(value)
+    return value
 
 
 def _unknown(key: str, valid, where: str) -> ConfigError:

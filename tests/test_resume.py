@@ -1,0 +1,70 @@
+"""Checkpoints: exact resume, atomic publication, integrity fallback, metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.harness import run_distributed
+from zerodp import checkpoint
+
+
+def resume_runs(tiny, out, strategy):
+    over = tiny + [f"strategy.name={strategy}", "train.max_steps=6"]
+    return [
+        {"overrides": over + [f"train.out_dir={out / 'straight'}"]},
+        {"overrides": over + [f"train.out_dir={out / 'split'}", "train.max_steps=3"]},
+        {"overrides": over + [f"train.out_dir={out / 'split'}"], "fresh": False},
+    ]
+
+
+@pytest.mark.parametrize("strategy, world", [("single", 1), ("ddp", 2)])
+def test_resume_reproduces_uninterrupted_losses(tiny, tmp_path, strategy, world):
+    straight, first, resumed = run_distributed("tests.workers:train_runs", world,
+                                               {"runs": resume_runs(tiny, tmp_path, strategy)})[0]
+    assert len(first["losses"]) == 3 and len(resumed["losses"]) == 3
+    assert first["losses"] + resumed["losses"] == straight["losses"]  # bit-identical in fp32
+    for name, w in straight["weights"].items():
+        assert (w - resumed["weights"][name]).abs().max().item() == 0.0, name
+    records = [json.loads(line) for line in (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "max_step_time_s"):
+        assert key in records[-1]
+    assert records[-1]["tokens"] == 6 * 12 * 32
+    meta = checkpoint.read_meta(tmp_path / "split" / "checkpoints" / "step_00000006")
+    assert meta["strategy"] == strategy and meta["world_size"] == world and meta["step"] == 6
+    assert meta["params"]["transformer.wte.weight"]["shape"] == [256, 32]
+    assert meta["format_version"] == checkpoint.FORMAT_VERSION
+
+
+def test_incomplete_and_corrupted_checkpoints_are_skipped(tiny, tmp_path, capsys):
+    runs = [{"overrides": tiny + ["strategy.name=single", "train.max_steps=4", "checkpoint.every=2",
+                                  f"train.out_dir={tmp_path}"]}]
+    run_distributed("tests.workers:train_runs", 1, {"runs": runs})
+    root = tmp_path / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000004"
+    assert checkpoint.find_resumable(tmp_path) == root / "step_00000004"
+    # A save that died before publication leaves only a .tmp folder: never a candidate.
+    shutil.copytree(root / "step_00000004", root / "step_00000006.tmp")
+    assert checkpoint.find_resumable(tmp_path) == root / "step_00000004"
+    # A published checkpoint whose shard was later corrupted falls back to the previous one.
+    shard = root / "step_00000004" / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert checkpoint.find_resumable(tmp_path) == root / "step_00000002"
+    err = capsys.readouterr().err
+    assert "skipping checkpoint step_00000004" in err and "model.safetensors fails its sha256 check" in err
+    # Truncation is caught by size alone.
+    shard.write_bytes(bytes(data[:100]))
+    assert "truncated" in checkpoint.verify(root / "step_00000004")
+
+
+def test_resume_under_another_strategy_is_refused_with_advice(tiny, tmp_path):
+    runs = [{"overrides": tiny + ["strategy.name=single", "train.max_steps=2", f"train.out_dir={tmp_path}"]},
+            {"overrides": tiny + ["strategy.name=ddp", "train.max_steps=4", f"train.out_dir={tmp_path}"],
+             "fresh": False}]
+    with pytest.raises(RuntimeError, match="saved by strategy single on 1 processes; this run is ddp on 1"):
+        run_distributed("tests.workers:train_runs", 1, {"runs": runs})

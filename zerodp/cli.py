@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from zerodp.errors import UserError
+from zerodp.errors import PeerFailure, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,11 +33,7 @@ def _run_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        accum = cfg.check_batch_split(world)
-        print(dump_yaml(cfg), end="")
-        print(f"# world_size {world}, grad_accum_steps {accum}")
-        return 0
+        return _dry_run(cfg)
     from zerodp.train import train
 
     train(cfg, fresh=args.fresh)
@@ -57,6 +53,30 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
         out.append(a)
         i += 1
     return out
+
+
+def _dry_run(cfg) -> int:
+    """Print the plan and the resolved config for this launch, without training."""
+    import torch
+
+    from zerodp.config import dump_yaml
+    from zerodp.planner import plan_for_training
+    from zerodp.train import device_memory, resolve_strategy
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    accum = cfg.check_batch_split(world)
+    use_cuda = torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
+    resolved, plan = resolve_strategy(cfg, world, device)
+    if plan is None:
+        memory, name = device_memory(device)
+        plan = plan_for_training(cfg, world, memory, name)
+    if os.environ.get("RANK", "0") == "0":
+        print(plan.table())
+        print()
+        print(dump_yaml(resolved), end="")
+        print(f"# world_size {world}, grad_accum_steps {accum}, strategy {resolved.strategy.name}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"zerodp: error: {e}", file=sys.stderr)
         return 2
+    except PeerFailure as e:
+        print(f"zerodp: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

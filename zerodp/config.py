@@ -110,6 +110,12 @@ class TrainConfig:
     """Tokens generated from the final model and printed at the end; 0 disables."""
     device: str = "auto"
     """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'."""
+    preempt_grace_s: float = 120.0
+    """After SIGTERM/SIGUSR1: finish the step, save and exit within this many seconds, else exit hard."""
+    straggler_margin: float = 0.2
+    """A rank whose step takes this fraction longer than the median is slow..."""
+    straggler_patience: int = 3
+    """...and is reported as a straggler after this many consecutive slow steps."""
 
 
 @dataclass
@@ -206,6 +212,9 @@ class Config:
         _non_negative("train.eval_every", t.eval_every)
         _positive("train.eval_batches", t.eval_batches)
         _non_negative("train.sample_tokens", t.sample_tokens)
+        _positive("train.preempt_grace_s", t.preempt_grace_s)
+        _positive("train.straggler_margin", t.straggler_margin)
+        _positive("train.straggler_patience", t.straggler_patience)
         if not t.out_dir:
             raise ConfigError("train.out_dir is empty; set it to the run directory, e.g. runs/my_run")
         _one_of("strategy.name", s.name, STRATEGIES)

@@ -16,3 +16,7 @@ class ConfigError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete, corrupted or incompatible."""
+
+
+class PeerFailure(Exception):
+    """Another rank died or hung; the message names it. Not the user's input: exit code 1."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -15,7 +16,8 @@ from zerodp import checkpoint
 from zerodp.config import Config, dump_yaml, lr_at
 from zerodp.data import TokenBatches, load_tokens, prefetch
 from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
-from zerodp.errors import UserError
+from zerodp.errors import PeerFailure, UserError
+from zerodp.faults import Heartbeat, Preemption, StragglerMonitor
 from zerodp.model import GPT, param_count
 from zerodp.strategies import RunContext, make_strategy
 
@@ -25,14 +27,37 @@ def log(env: DistEnv, msg: str) -> None:
         print(f"zerodp: {msg}", file=sys.stderr, flush=True)
 
 
-def resolve_strategy(cfg: Config, env: DistEnv) -> str:
-    """The strategy to run: the configured one, or for `auto` the planner's choice."""
-    name = cfg.strategy.name
-    if name == "auto":
-        name = "single" if env.world_size == 1 else "ddp"
-    if name == "single" and env.world_size > 1:
-        raise UserError(f"strategy.name=single cannot run on {env.world_size} processes; use ddp (or launch one process)")
-    return name
+def device_memory(device: torch.device) -> tuple[int, str]:
+    """Memory one rank may use and the device's name: the GPU's, or this node's RAM shared by its ranks."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, props.name
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // max(1, local_ranks), "cpu"
+
+
+def resolve_strategy(cfg: Config, world_size: int, device: torch.device) -> tuple[Config, object]:
+    """The config to run: as given, or for strategy.name=auto with the planner's choice applied.
+
+    Returns (config, plan); plan is None unless the planner chose."""
+    if cfg.strategy.name == "single" and world_size > 1:
+        raise UserError(f"strategy.name=single cannot run on {world_size} processes; use ddp (or launch one process)")
+    if cfg.strategy.name != "auto":
+        return cfg, None
+    from zerodp.planner import plan_for_training
+
+    memory, name = device_memory(device)
+    plan = plan_for_training(cfg, world_size, memory, name)
+    if plan.choice is None:
+        raise UserError(f"strategy.name=auto: nothing fits in {memory / 1e9:.1f} GB per rank on {world_size} "
+                        f"rank(s). {plan.suggestion or 'Use more GPUs, a smaller micro batch or a smaller model.'}")
+    cfg = copy.deepcopy(cfg)
+    cfg.strategy.name = plan.choice
+    cfg.strategy.offload_optimizer = plan.offload_optimizer
+    cfg.strategy.offload_params = plan.offload_params
+    cfg.model.activation_checkpointing = plan.activation_checkpointing
+    return cfg, plan
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -65,15 +90,18 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     bytes rank-local state held at start, and with `return_weights` the final full fp32 weights."""
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
     grad_accum = cfg.check_batch_split(env.world_size)
-    name = resolve_strategy(cfg, env)
+    cfg, plan = resolve_strategy(cfg, env.world_size, env.device)
+    name = cfg.strategy.name
     out_dir = Path(cfg.train.out_dir)
+    check_out_dir(out_dir)  # every rank: a rank that cannot write must not leave the others waiting
     if env.rank == 0:
-        check_out_dir(out_dir)
-        (out_dir / "config.yaml").write_text(dump_yaml(cfg))
+        (out_dir / "config.yaml").write_text(dump_yaml(cfg))  # resolved: auto replaced by the choice
     dist.barrier()
 
     tokens = load_tokens(cfg)  # before the model: a bad data source fails fast
     train_data, val_data = TokenBatches(tokens, cfg, "train"), TokenBatches(tokens, cfg, "val")
+    if plan is not None:  # after the input checks: a bad input stays a one-line error
+        log(env, "strategy.name=auto, the planner's table:\n" + plan.table())
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = GPT(cfg.model)
@@ -99,63 +127,100 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     metrics_path = out_dir / "metrics.jsonl"
     if env.rank == 0:
         _truncate_metrics(metrics_path, start)
+    hosts = [None] * env.world_size
+    dist.all_gather_object(hosts, env.host)
+    heartbeat = Heartbeat(env.rank, env.world_size, hosts)
+    stragglers = StragglerMonitor(hosts, cfg.train.straggler_margin, cfg.train.straggler_patience)
+    preemption = Preemption(cfg.train.preempt_grace_s)
     bar = _progress(cfg, env, start)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
     losses: dict[int, float] = {}
+    stopped_early = False
+    step = start
     t_end = time.perf_counter()
     strategy.model.train()
-    for step, micro_batches in prefetch(train_data, range(start, cfg.train.max_steps), cfg,
-                                        env.rank, env.world_size, cfg.data.prefetch):
-        t0 = time.perf_counter()
-        data_wait = t0 - t_end
-        lr = lr_at(cfg, step)
-        loss_sum = torch.zeros((), device=env.device)
-        for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
-            with strategy.micro_step(is_last=i == len(micro_batches) - 1):
-                with strategy.autocast():
-                    loss = strategy.model(x, y)
-                strategy.backward(loss)
-            loss_sum += loss.detach().float()
-        grad_norm = strategy.step(lr)
-        local_loss = (loss_sum / len(micro_batches)).item()  # syncs the device: step time is real
-        step_time = time.perf_counter() - t0
-        per_rank = all_gather_floats([local_loss, step_time, data_wait])
-        loss_mean = sum(r[0] for r in per_rank) / env.world_size
-        times = [r[1] for r in per_rank]
-        slowest = max(range(env.world_size), key=lambda r: times[r])
-        done = step + 1
-        tokens_seen += tokens_per_step
-        losses[done] = loss_mean
-        record = {
-            "step": done, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
-            "tokens_per_s": tokens_per_step / max(times), "step_time_s": step_time,
-            "max_step_time_s": times[slowest], "slowest_rank": slowest,
-            "data_wait_s": max(r[2] for r in per_rank),
-        }
-        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.max_steps):
-            record["val_loss"] = evaluate(strategy, val_data, cfg, env)
-        if env.rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+    try:
+        for step, micro_batches in prefetch(train_data, range(start, cfg.train.max_steps), cfg,
+                                            env.rank, env.world_size, cfg.data.prefetch):
+            t0 = time.perf_counter()
+            data_wait = t0 - t_end
+            lr = lr_at(cfg, step)
+            local_loss, grad_norm = train_step(strategy, micro_batches, lr, env.device)
+            compute = time.perf_counter() - t0
+            heartbeat.beat(step + 1)
+            # One small all-gather per step: losses, per-rank times and any preemption request.
+            per_rank = all_gather_floats([local_loss, compute, data_wait, float(preemption.requested)])
+            sync_wait = time.perf_counter() - t0 - compute
+            loss_mean = sum(r[0] for r in per_rank) / env.world_size
+            times = [r[1] + r[2] for r in per_rank]
+            slowest = max(range(env.world_size), key=lambda r: times[r])
+            done = step + 1
+            tokens_seen += tokens_per_step
+            losses[done] = loss_mean
+            record = {
+                "step": done, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
+                "tokens_per_s": tokens_per_step / (max(times) + sync_wait), "step_time_s": compute + data_wait,
+                "max_step_time_s": times[slowest], "slowest_rank": slowest,
+                "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
+            }
+            found = stragglers.update([r[1] for r in per_rank], [r[2] for r in per_rank])
+            if found:
+                record["stragglers"] = found
+                for f in found:
+                    log(env, f"straggler: rank {f['rank']} on {f['host']} is {f['slower_by']:.0%} slower than "
+                             f"the median step ({f['step_time_s']:.3f}s vs {f['median_s']:.3f}s): {f['cause']}")
+            if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.max_steps):
+                record["val_loss"] = evaluate(strategy, val_data, cfg, env)
+            if env.rank == 0:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_mean:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}")
+                bar.update(1)
+            stop = any(r[3] for r in per_rank)
+            if stop or done == cfg.train.max_steps or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
+                trainer_state = {"step": done, "tokens": tokens_seen, "loss": loss_mean}
+                checkpoint.save(strategy, out_dir, done, trainer_state, meta, cfg.checkpoint.keep_last)
+            if stop:
+                log(env, f"preempted: stopped after step {done}, checkpoint saved; "
+                         f"run the same command again to continue")
+                stopped_early = True
+                break
+            t_end = time.perf_counter()
+    except (dist.DistBackendError, RuntimeError) as e:
+        if not _is_collective_failure(e):
+            raise
+        raise PeerFailure(heartbeat.diagnose(e, step)) from None
+    finally:
+        preemption.restore()
         if bar is not None:
-            bar.set_postfix(loss=f"{loss_mean:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}")
-            bar.update(1)
-        if done == cfg.train.max_steps or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
-            trainer_state = {"step": done, "tokens": tokens_seen, "loss": loss_mean}
-            checkpoint.save(strategy, out_dir, done, trainer_state, meta, cfg.checkpoint.keep_last)
-        t_end = time.perf_counter()
-    if bar is not None:
-        bar.close()
+            bar.close()
+    if stragglers.waited_s > 0 and env.world_size > 1:
+        log(env, f"time spent waiting for the slowest rank: {stragglers.waited_s:.1f}s"
+                 + (f"; stragglers: {stragglers.reported}" if stragglers.reported else ""))
 
-    summary = {"strategy": name, "world_size": env.world_size, "losses": losses,
-               "final_step": cfg.train.max_steps, "state_bytes": held}
+    summary = {"strategy": name, "world_size": env.world_size, "losses": losses, "preempted": stopped_early,
+               "final_step": step + 1, "state_bytes": held, "straggler_wait_s": stragglers.waited_s}
     if return_weights:
         summary["weights"] = strategy.full_state_dict()
-    if cfg.train.sample_tokens:
+    if cfg.train.sample_tokens and not stopped_early:
         summary["sample"] = sample(strategy, cfg, env)
         log(env, "sample:\n" + summary["sample"])
     return summary
+
+
+def train_step(strategy, micro_batches: list, lr: float, device: torch.device) -> tuple[float, float]:
+    """One optimizer step over this rank's micro batches; return (mean local loss, global grad norm)."""
+    loss_sum = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro_batches):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with strategy.micro_step(is_last=i == len(micro_batches) - 1):
+            with strategy.autocast():
+                loss = strategy.model(x, y)
+            strategy.backward(loss)
+        loss_sum += loss.detach().float()
+    grad_norm = strategy.step(lr)
+    return (loss_sum / len(micro_batches)).item(), grad_norm  # .item() syncs: step time is real
 
 
 @torch.no_grad()
@@ -189,6 +254,15 @@ def sample(strategy, cfg: Config, env: DistEnv) -> str:
     if cfg.model.vocab_size >= 256 and max(out) < 256:
         return bytes(out).decode("utf-8", errors="replace")
     return " ".join(map(str, out))
+
+
+def _is_collective_failure(e: BaseException) -> bool:
+    """A failed or timed-out collective (a peer died or hung), as opposed to a bug in this rank."""
+    if isinstance(e, dist.DistBackendError):
+        return True
+    text = str(e)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Timed out",
+                                   "timed out", "Gloo", "NCCL", "connectFullMesh"))
 
 
 def _truncate_metrics(path: Path, start: int) -> None:

@@ -25,7 +25,7 @@ def parse_bytes(text: str, what: str = "--hbm") -> int:
     if not m or m.group(2) not in _BYTE_UNITS:
         raise UserError(
             f"{what} {text!r} is not a size; write a number and a unit, e.g. 80GB (80e9 bytes) "
-            f"or 80GiB (80*2**30 bytes); units: {', '.join(k.upper() for k in _BYTE_UNITS if k != 'b')}"
+            f"or 80GiB (80*2**30 bytes); units: KB, MB, GB, TB, KiB, MiB, GiB, TiB"
         )
     value = float(m.group(1)) * _BYTE_UNITS[m.group(2)]
     if value <= 0:

@@ -31,6 +31,7 @@ class DDPStrategy:
             self.module,
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
             bucket_cap_mb=ctx.cfg.strategy.bucket_size_mb,
+            gradient_as_bucket_view=True,  # grads live in the buckets: no second full-size copy
         )
         self.optimizer = torch.optim.AdamW(param_groups(self.module, ctx.cfg), **adamw_kwargs(ctx.cfg))
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")

@@ -1,0 +1,317 @@
+"""The memory planner: formulas on hand-computed cases, exact parameter counts, the choice at its
+boundaries, the JSON interface, error messages, and that planning never imports torch."""
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerodp.config import Config, ModelConfig
+from zerodp.errors import UserError
+from zerodp.planner import (
+    Cluster, Layout, Workload, activation_bytes, choose, estimate, gpt_param_count, gpu_preset,
+    model_states, plan_for_training, preset, spec_from_hf_config, spec_from_params,
+)
+from zerodp.planner.cli import add_parser, run
+from zerodp.planner.memory import comm_bytes, layer_activation_factor
+from zerodp.planner.models import gpt2_spec
+from zerodp.planner.units import parse_bytes, parse_count
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 10**9
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser(prog="zerodp")
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["plan", *argv])
+
+
+# --- model states: the ZeRO paper's table ---------------------------------------------------------
+
+@pytest.mark.parametrize("strategy,expected", [
+    ("ddp", (2, 2, 12)),            # 16P
+    ("zero1", (2, 2, 12 / 8)),      # 4P + 12P/N
+    ("zero2", (2, 2 / 8, 12 / 8)),  # 2P + 14P/N
+    ("zero3", (2 / 8, 2 / 8, 12 / 8)),
+    ("fsdp", (2 / 8, 2 / 8, 12 / 8)),
+])
+def test_model_states_mixed_precision(strategy, expected):
+    P = 10**9
+    assert model_states(P, 8, strategy, "bf16") == tuple(int(e * P) for e in expected)
+
+
+@pytest.mark.parametrize("strategy,total", [("ddp", 16), ("zero1", 8 + 1), ("zero2", 4 + 1.5), ("zero3", 2)])
+def test_model_states_fp32(strategy, total):
+    assert sum(model_states(10**9, 8, strategy, "fp32")) == int(total * 10**9)
+
+
+def test_model_states_bytes_is_the_zero_figure_and_extras_are_separate():
+    e = estimate(preset("llama2-7b"), Layout("zero3", Cluster(gpus_per_node=8), Workload(1, 4096)))
+    P = 6_738_415_616
+    assert e.model_states_bytes == e.params_bytes + e.grads_bytes + e.optimizer_bytes
+    assert abs(e.model_states_bytes - 16 * P / 8) < 8
+    assert e.gathered_bytes > 0 and e.bucket_bytes > 0
+    assert e.total_bytes == (e.model_states_bytes + e.gathered_bytes + e.bucket_bytes
+                             + e.activations_bytes + e.overhead_bytes)
+
+
+def test_offload_moves_states_to_cpu():
+    c = Cluster(gpus_per_node=8)
+    e = estimate(preset("llama2-7b"), Layout("zero3", c, Workload(1, 4096), True, True))
+    assert e.model_states_bytes == 0
+    assert e.offloaded_bytes == pytest.approx(18 * 6_738_415_616 / 8, abs=8)  # fp32 master, m, v, grads, params
+    assert e.cpu_bytes_per_node == 8 * e.offloaded_bytes
+
+
+# --- activations: Korthikanti et al. 2022 ----------------------------------------------------------
+
+def test_activation_factor_matches_the_paper():
+    m = dataclasses.replace(gpt2_spec("t", 2, 4, 64, 100, 32, dropout=True), fused_attention=False)
+    assert layer_activation_factor(m, 32) == pytest.approx(34 + 5 * 4 * 32 / 64)
+    fused = gpt2_spec("t", 2, 4, 64, 100, 32, dropout=True)
+    assert layer_activation_factor(fused, 32) == pytest.approx(34)  # SDPA drops the s^2 term
+    assert layer_activation_factor(gpt2_spec("t", 2, 4, 64, 100, 32), 32) == pytest.approx(32)  # no masks
+    assert layer_activation_factor(preset("llama2-7b"), 4096) == pytest.approx(10 + 2 + 8 * 11008 / 4096 + 4)
+
+
+def test_activation_bytes_hand_computed():
+    m = dataclasses.replace(gpt2_spec("t", 2, 4, 64, 100, 32, dropout=True), fused_attention=False)
+    one_layer = 32 * 2 * 64 * 44  # s*b*h*(34 + 5*a*s/h)
+    logits = 2 * 32 * 100 * (2 + 4)  # b*s*V, bf16 logits + fp32 copy for the loss
+    assert activation_bytes(m, Workload(2, 32, "bf16"), False) == 2 * one_layer + logits
+    assert activation_bytes(m, Workload(2, 32, "bf16"), True) == 2 * (2 * 32 * 2 * 64) + one_layer + logits
+    assert activation_bytes(m, Workload(2, 32, "fp32"), False) == 2 * 2 * one_layer + 2 * 32 * 100 * 8
+
+
+# --- communication and time ------------------------------------------------------------------------
+
+def test_communication_volumes():
+    P, c = 10**9, Cluster(gpus_per_node=8)
+    ring = 7 / 8 * P * 2
+    vol = {s: sum(comm_bytes(P, Layout(s, c, Workload()))) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
+    assert vol["ddp"] == int(2 * ring) == vol["zero1"] == vol["zero2"]
+    assert vol["zero3"] == vol["fsdp"] == int(3 * ring) == pytest.approx(1.5 * vol["ddp"])
+    assert sum(comm_bytes(P, Layout("ddp", Cluster(gpus_per_node=1), Workload()))) == 0
+
+
+def test_step_time_is_6PT_at_mfu_plus_a_third_with_checkpointing():
+    m, c, w = preset("gpt2"), Cluster(gpu=gpu_preset("a100")), Workload(8, 1024)
+    off = estimate(m, Layout("single", c, w))
+    assert off.step_s == pytest.approx(6 * m.params * 8 * 1024 / (0.4 * 312e12))
+    on = estimate(m, Layout("single", c, w, activation_checkpointing=True))
+    assert on.step_s == pytest.approx(off.step_s * 8 / 6)
+    assert on.scaling_efficiency == 1.0
+
+
+# --- parameter counts --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,count", [
+    ("gpt2", 124_439_808), ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080),
+    ("gpt2-xl", 1_557_611_200), ("llama2-7b", 6_738_415_616), ("llama2-13b", 13_015_864_320),
+    ("llama2-70b", 68_976_648_192), ("llama3-8b", 8_030_261_248), ("mistral-7b", 7_241_732_096),
+])
+def test_preset_counts_match_published(name, count):
+    assert preset(name).params == count
+
+
+def test_gpt_param_count_of_zerodp_model():
+    h, L, V, T = 128, 4, 256, 128  # ModelConfig defaults
+    assert gpt_param_count(ModelConfig()) == V * h + T * h + L * (12 * h * h + 13 * h) + 2 * h == 842_496
+    assert gpt_param_count(ModelConfig(bias=False)) == V * h + T * h + L * (12 * h * h + 2 * h) + h
+    gpt2 = ModelConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
+    assert gpt_param_count(gpt2) == 124_439_808
+
+
+LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+             "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+             "max_position_embeddings": 4096, "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+MISTRAL_7B = {"model_type": "mistral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+              "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+              "max_position_embeddings": 32768, "sliding_window": 4096}
+
+
+@pytest.mark.parametrize("cfg,count", [(LLAMA2_7B, 6_738_415_616), (MISTRAL_7B, 7_241_732_096),
+                                       ({**LLAMA2_7B, "tie_word_embeddings": True}, 6_738_415_616 - 32000 * 4096),
+                                       ({"model_type": "gpt2", "n_embd": 1600, "n_layer": 48, "n_head": 25,
+                                         "vocab_size": 50257, "n_positions": 1024, "n_inner": None}, 1_557_611_200)])
+def test_hf_config_counted_exactly(tmp_path, cfg, count):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert spec_from_hf_config(str(path)).params == count
+
+
+def test_hf_config_errors(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"model_type": "llama", "hidden_size": 4096,,}')
+    with pytest.raises(UserError, match=r"not valid JSON at line 1, column \d+"):
+        spec_from_hf_config(str(bad))
+    bad.write_text(json.dumps({"model_type": "bert", "hidden_size": 768}))
+    with pytest.raises(UserError, match="model_type 'bert' is not supported; the planner reads gpt2, llama"):
+        spec_from_hf_config(str(bad))
+    bad.write_text(json.dumps({k: v for k, v in LLAMA2_7B.items() if k != "intermediate_size"}))
+    with pytest.raises(UserError, match="llama config lacks 'intermediate_size'"):
+        spec_from_hf_config(str(bad))
+    with pytest.raises(UserError, match="file not found"):
+        spec_from_hf_config(str(tmp_path / "missing.json"))
+
+
+def test_params_only_guesses_a_shape():
+    m = spec_from_params(7_000_000_000)
+    assert m.params == 7_000_000_000 and m.shape_assumed
+    assert 3500 < m.hidden < 5000 and 25 < m.n_layer < 40
+    exact = spec_from_params(7_000_000_000, layers=32, hidden=4096)
+    assert (exact.n_layer, exact.hidden, exact.shape_assumed) == (32, 4096, False)
+
+
+# --- the choice at its boundaries ------------------------------------------------------------------
+
+def h100(n=1, nodes=1, **kw):
+    return Cluster(gpu=gpu_preset("h100"), gpus_per_node=n, nodes=nodes, **kw)
+
+
+def test_ddp_boundary_is_5B_on_80GB():
+    five = estimate(spec_from_params(5 * 10**9), Layout("ddp", h100(2), Workload(1, 512)))
+    assert five.model_states_bytes == 80 * GB and not five.fits  # 16 bytes/param fill the GPU alone
+    four = choose(spec_from_params(4 * 10**9), h100(2), Workload(1, 512))
+    assert four.choice == "ddp" and not four.activation_checkpointing
+    assert choose(spec_from_params(5 * 10**9), h100(2), Workload(1, 512)).choice == "zero1"
+
+
+def test_7b_does_not_fit_ddp_on_one_80GB_gpu_and_offloads():
+    plan = choose(preset("llama2-7b"), h100(1), Workload(1, 4096))
+    single = plan.estimates[0]
+    assert single.name == "single" and not single.fits
+    assert plan.choice == "zero2" and plan.offload_optimizer and plan.choice_name == "zero2+offload_optimizer"
+    assert any(r.startswith("single: does not fit") for r in plan.reasons)
+
+
+def test_7b_on_8x80GB_picks_the_least_communication_that_fits():
+    plan = choose(preset("llama2-7b"), h100(8), Workload(1, 4096))
+    assert plan.choice == "zero1" and not plan.offload_optimizer and not plan.activation_checkpointing
+    assert not plan.estimates[0].fits
+    assert len([r for r in plan.reasons if r.split(":")[0] in {e.name for e in plan.estimates}]) == 8
+
+
+def test_checkpointing_turned_on_when_it_makes_it_fit():
+    plan = choose(preset("gpt2"), h100(1), Workload(128, 1024))
+    assert plan.choice == "single" and plan.activation_checkpointing
+    assert any("Activation checkpointing turned on" in r for r in plan.reasons)
+    forced_off = choose(preset("gpt2"), h100(1), Workload(128, 1024), activation_checkpointing=False)
+    assert forced_off.choice is None and forced_off.suggestion.startswith(
+        "It would fit with activation checkpointing on (single, 48.2 GB per GPU): pass --activation-checkpointing on")
+
+
+def test_nothing_fits_says_how_many_gpus_would():
+    plan = choose(preset("llama2-70b"), h100(8, cpu_ram_bytes=512 * GB), Workload(1, 4096))
+    assert plan.choice is None and plan.chosen is None
+    assert plan.suggestion == "Smallest that fits: 24 GPUs (3 nodes of 8) with fsdp and activation checkpointing on."
+    assert any("more than --cpu-ram allows" in r for r in plan.reasons)
+    big = estimate(preset("llama2-70b"), Layout("fsdp", h100(8, nodes=3), Workload(1, 4096),
+                                                activation_checkpointing=True))
+    assert big.fits
+
+
+def test_70b_on_one_node_needs_offload():
+    plan = choose(preset("llama2-70b"), h100(8), Workload(1, 4096))
+    assert plan.choice == "zero3" and plan.offload_optimizer and plan.activation_checkpointing
+    assert any("without offloading, fsdp fits on 24 GPUs" in r for r in plan.reasons)
+
+
+def test_plan_for_training():
+    cfg = Config()
+    assert plan_for_training(cfg, 1, 80 * GB).choice == "single"
+    plan = plan_for_training(cfg, 4, 16 * GB, "cpu")
+    assert plan.choice == "ddp" and plan.offload_optimizer is False and plan.activation_checkpointing is False
+    assert "ddp" in plan.table() and plan.reasons[0].startswith("Choice: ddp")
+    cfg.model = ModelConfig(n_layer=48, n_head=25, n_embd=1600, vocab_size=50257, block_size=1024)
+    gpu = plan_for_training(cfg, 8, 24 * GB, "NVIDIA L4")
+    assert gpu.choice in ("zero1", "zero2") and gpu.cluster.gpu.name == "l4"
+    cfg.model.activation_checkpointing = True
+    assert plan_for_training(cfg, 8, 24 * GB, "NVIDIA L4").estimates[0].activation_checkpointing
+    with pytest.raises(UserError, match="world_size=0 must be at least 1"):
+        plan_for_training(cfg, 0, 80 * GB)
+
+
+# --- CLI, JSON, errors -----------------------------------------------------------------------------
+
+def test_json_fields(capsys):
+    assert run(parse("--model", "llama2-7b", "--gpus", "8", "--hbm", "80GB", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == 6_738_415_616 and out["choice"] == "zero1"
+    assert [s["name"] for s in out["strategies"]] == [
+        "ddp", "zero1", "zero2", "fsdp", "zero3", "zero2+offload_optimizer", "zero3+offload_optimizer",
+        "fsdp+offload", "zero3+offload_optimizer+offload_params"]
+    for s in out["strategies"]:
+        for key in ("name", "model_states_bytes", "activations_bytes", "total_bytes", "fits", "comm_bytes",
+                    "step_s", "scaling_efficiency", "headroom_bytes", "params_bytes", "grads_bytes",
+                    "optimizer_bytes", "gathered_bytes", "bucket_bytes", "overhead_bytes"):
+            assert key in s
+        assert isinstance(s["model_states_bytes"], int) and isinstance(s["fits"], bool)
+    assert out["cluster"]["hbm_bytes"] == 80 * GB
+
+
+def test_table_and_config(capsys, tmp_path):
+    cfg = tmp_path / "gpt2.yaml"
+    cfg.write_text("model:\n  n_layer: 12\n  n_head: 12\n  n_embd: 768\n  vocab_size: 50257\n  block_size: 1024\n"
+                   "train:\n  micro_batch_size: 8\n  global_batch_size: 64\n  precision: bf16\n")
+    assert run(parse("--config", str(cfg), "--gpus", "8", "--gpu", "a100")) == 0
+    out = capsys.readouterr().out
+    assert "124,439,808" in out and "micro batch 8 x 1024 tokens x 1 accumulation, bf16" in out
+    assert "Choice: ddp" in out
+    run(parse("--config", str(cfg), "train.micro_batch_size=4", "--json"))
+    assert json.loads(capsys.readouterr().out)["workload"]["grad_accum_steps"] == 16
+
+
+def test_sizes():
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("80GiB") == 80 * 2**30 == parse_bytes("80 gib")
+    assert parse_count("7.5e9") == 7_500_000_000 == parse_count("7.5B")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "llama7b"], r"unknown model 'llama7b'; did you mean 'llama2-7b'\? known models: gpt2, "),
+    (["--model", "gpt2", "--gpus", "0"], r"--gpus 0: GPUs per node must be at least 1 \(e.g. --gpus 8\)"),
+    (["--model", "gpt2", "--hbm", "eighty"], r"--hbm 'eighty' is not a size; write a number and a unit, e.g. 80GB"),
+    (["--model", "gpt2", "--hbm", "80"], r"--hbm '80' is not a size"),
+    (["--model", "gpt2", "--params", "1e9"], r"give exactly one model source, got several: --model, --params"),
+    ([], r"give exactly one model source, got none"),
+    (["--model", "gpt2", "--gpu", "h1000"], r"unknown GPU 'h1000'; did you mean 'h100'\?"),
+    (["--params", "lots"], r"--params 'lots' is not a number"),
+    (["--model", "gpt2", "--interconnect", "carrier-pigeon"], r"--interconnect 'carrier-pigeon' is not one of"),
+])
+def test_bad_input_messages(argv, message):
+    with pytest.raises(UserError, match=message):
+        run(parse(*argv))
+
+
+def test_planning_imports_neither_torch_nor_deepspeed():
+    code = ("import sys\nfrom zerodp.planner.cli import main\n"
+            "assert main(['plan', '--model', 'llama2-7b', '--gpus', '8', '--hbm', '80GB', '--json']) == 0\n"
+            "from zerodp.planner import plan_for_training\nfrom zerodp.config import Config\n"
+            "plan_for_training(Config(), 2, 10**10)\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_zerodp_plan_entry_point_imports_no_torch():
+    code = ("import sys\nfrom zerodp.cli import main\n"
+            "assert main(['plan', '--model', 'gpt2', '--gpus', '8', '--json']) == 0\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["choice"] == "ddp"
+
+
+def test_module_cli_errors_are_one_line_and_exit_2():
+    r = subprocess.run([sys.executable, "-m", "zerodp.planner.cli", "plan", "--model", "gpt3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("zerodp: error: unknown model 'gpt3'") and r.stderr.count("\n") == 1

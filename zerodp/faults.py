@@ -1,0 +1,130 @@
+"""Surviving the things that go wrong at scale: preemption, dead or hung peers, stragglers.
+
+- `Preemption`: SIGTERM or SIGUSR1 (Slurm's warning before the time limit) sets a flag; the loop shares
+  it with the step's metrics, so every rank finishes the current step, saves, and exits together. A
+  watchdog ends the process if that takes longer than the grace period.
+- `Heartbeat`: each rank records its last finished step in the job's key-value store; when a
+  collective fails or times out, the survivors name the rank(s) and host(s) that stopped answering.
+- `StragglerMonitor`: per-rank step time split into compute and data wait; a rank slower than the
+  median by a margin for several consecutive steps is reported by rank and host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+
+class Preemption:
+    """Turns SIGTERM / SIGUSR1 into a request to checkpoint and stop after the current step."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.requested_at: float | None = None
+        self.signal_name = ""
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_at is not None
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested_at is not None:
+            return
+        self.requested_at = time.monotonic()
+        self.signal_name = signal.Signals(signum).name
+        threading.Thread(target=self._watchdog, daemon=True, name="zerodp-grace").start()
+
+    def _watchdog(self) -> None:
+        time.sleep(self.grace_s)
+        print(f"zerodp: error: {self.signal_name}: the checkpoint did not finish within the grace period "
+              f"of {self.grace_s:.0f}s (train.preempt_grace_s); exiting. The previous checkpoint is intact.",
+              file=sys.stderr, flush=True)
+        os._exit(143)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Heartbeat:
+    """Last finished step per rank, in the process group's store, to name peers that went silent."""
+
+    def __init__(self, rank: int, world_size: int, hosts: list[str]):
+        self.rank, self.world_size, self.hosts = rank, world_size, hosts
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self.store = _get_default_store()
+        except Exception:  # a store-less backend: failures are still reported, without names
+            self.store = None
+
+    def beat(self, step: int) -> None:
+        if self.store is not None:
+            self.store.set(f"zerodp/heartbeat/{self.rank}", f"{step}:{time.time():.3f}")
+
+    def diagnose(self, error: BaseException, step: int) -> str:
+        """A one-line explanation of a failed collective naming the ranks that stopped."""
+        behind = []
+        if self.store is not None:
+            try:
+                self.store.set_timeout(__import__("datetime").timedelta(seconds=5))
+                now = time.time()
+                for r in range(self.world_size):
+                    if r == self.rank:
+                        continue
+                    last_step, when = self.store.get(f"zerodp/heartbeat/{r}").decode().split(":")
+                    if int(last_step) < step:
+                        behind.append(f"rank {r} on {self.hosts[r]} (last finished step {last_step}, "
+                                      f"{now - float(when):.0f}s ago)")
+            except Exception:
+                behind.append("the job's store is unreachable (rank 0's host may be down)")
+        who = "; ".join(behind) if behind else "a peer"
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return (f"rank {self.rank} on {self.hosts[self.rank]}: a collective at step {step + 1} failed because "
+                f"{who} stopped responding ({first[:200]}). Restart the job (the same command resumes from the "
+                f"newest checkpoint); raise strategy.timeout_s if steps are legitimately slow")
+
+
+@dataclass
+class StragglerMonitor:
+    """Flags ranks whose step time exceeds the median by `margin` for `patience` consecutive steps."""
+
+    hosts: list[str]
+    margin: float = 0.2
+    patience: int = 3
+    streak: dict[int, int] = field(default_factory=dict)
+    waited_s: float = 0.0
+    reported: dict[int, str] = field(default_factory=dict)
+
+    def update(self, compute: list[float], data_wait: list[float]) -> list[dict]:
+        """Feed one step's per-rank times; return the stragglers confirmed at this step."""
+        total = [c + d for c, d in zip(compute, data_wait)]
+        median = statistics.median(total)
+        self.waited_s += max(total) - median
+        found = []
+        for r, t in enumerate(total):
+            if median > 0 and t > median * (1 + self.margin):
+                self.streak[r] = self.streak.get(r, 0) + 1
+            else:
+                self.streak[r] = 0
+            if self.streak[r] >= self.patience:
+                excess_data = data_wait[r] - statistics.median(data_wait)
+                excess_compute = compute[r] - statistics.median(compute)
+                cause = "data loading stall" if excess_data > excess_compute else "slow compute"
+                found.append({"rank": r, "host": self.hosts[r], "step_time_s": t, "median_s": median,
+                              "slower_by": t / median - 1, "cause": cause})
+                self.reported[r] = cause
+        return found

@@ -1,0 +1,164 @@
+"""`zerodp plan`: will it fit, and how should I run it?
+
+The lead's zerodp/cli.py registers the subcommand with `add_parser(subparsers)` and calls
+`run(args)`. `python -m zerodp.planner.cli plan ...` works on its own, with the same error handling
+(UserError -> one line on stderr, exit 2). Imports neither torch nor deepspeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from zerodp.errors import UserError
+from zerodp.planner.choose import choose
+from zerodp.planner.hardware import GPUS, INTERCONNECTS, MFU, Cluster, GpuSpec, gpu_preset
+from zerodp.planner.memory import Workload
+from zerodp.planner.models import PRESETS, preset, spec_from_hf_config, spec_from_model_config, spec_from_params
+from zerodp.planner.units import parse_bytes, parse_count
+
+EXAMPLES = """examples:
+  zerodp plan --model llama2-7b --gpus 8 --hbm 80GB
+  zerodp plan --config configs/gpt2.yaml --gpus 8 --nodes 2 --gpu a100
+  zerodp plan --hf-config path/to/config.json --gpus 4 --gpu h100 --micro-batch 2 --seq-len 4096 --json
+  zerodp plan --params 13e9 --layers 40 --hidden 5120 --gpus 8 --cpu-ram 1TB
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `plan` subcommand on an argparse subparsers object; returns its parser."""
+    p = subparsers.add_parser(
+        "plan", help="will it fit, and how should I run it? (memory and strategy planner, offline)",
+        description="Estimate per-GPU memory, communication and step time of every strategy "
+                    "(ddp, zero1-3, fsdp, offload variants) and choose one. Formulas: docs/memory_model.md.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("model (give one of --config, --hf-config, --model, --params)")
+    m.add_argument("--config", metavar="CONFIG.yaml", help="a zerodp training config")
+    m.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides for --config")
+    m.add_argument("--hf-config", metavar="config.json", help="a Hugging Face gpt2/llama/mistral/qwen2 config")
+    m.add_argument("--model", metavar="NAME", help=f"a built-in preset: {', '.join(PRESETS)}")
+    m.add_argument("--params", metavar="N", help="parameter count, e.g. 7.5e9 or 7B")
+    m.add_argument("--layers", type=int, help="with --params: transformer blocks")
+    m.add_argument("--hidden", type=int, help="with --params: hidden width")
+    m.add_argument("--heads", type=int, help="with --params: attention heads")
+    m.add_argument("--vocab", type=int, help="with --params: vocabulary size (default 32000)")
+    h = p.add_argument_group("hardware")
+    h.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
+    h.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    h.add_argument("--gpu", metavar="NAME",
+                   help=f"GPU preset for memory and peak FLOPs: {', '.join(GPUS)} (default h100)")
+    h.add_argument("--hbm", metavar="SIZE", help="memory per GPU, e.g. 80GB (80e9 bytes) or 80GiB; overrides --gpu's")
+    h.add_argument("--cpu-ram", metavar="SIZE", help="CPU memory per node for offloaded states, e.g. 512GB")
+    h.add_argument("--interconnect", metavar="LINK", help=f"slowest link of the ring: {', '.join(INTERCONNECTS)} "
+                   "(default nvlink on one node, infiniband across nodes)")
+    h.add_argument("--mfu", type=float, default=MFU, help=f"model FLOPs utilisation assumed (default {MFU})")
+    w = p.add_argument_group("step")
+    w.add_argument("--micro-batch", type=int, help="sequences per GPU per forward (default 1, or the config's)")
+    w.add_argument("--seq-len", type=int, help="tokens per sequence (default min(context, 4096), or block_size)")
+    w.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default 1, or the config's)")
+    w.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default bf16, or the config's")
+    w.add_argument("--activation-checkpointing", choices=("on", "off"),
+                   help="default: the planner decides (or the config's when it says true)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=run)
+    return p
+
+
+def _positive(flag: str, value, what: str, example: int) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"{flag} {value}: {what} must be at least 1 (e.g. {flag} {example})")
+
+
+def _model(args):
+    """(ModelSpec, config or None) from whichever single model source was given."""
+    given = [f for f, v in (("--config", args.config), ("--hf-config", args.hf_config),
+                            ("--model", args.model), ("--params", args.params)) if v is not None]
+    if len(given) != 1:
+        what = "several: " + ", ".join(given) if given else "none"
+        raise UserError(f"give exactly one model source, got {what}; e.g. --model llama2-7b, "
+                        f"--config CONFIG.yaml, --hf-config config.json or --params 7e9")
+    if args.overrides and args.config is None:
+        raise UserError(f"overrides {' '.join(args.overrides)} need --config CONFIG.yaml to apply to")
+    if args.params is None and any(v is not None for v in (args.layers, args.hidden, args.heads, args.vocab)):
+        raise UserError("--layers/--hidden/--heads/--vocab describe a --params model; add --params N")
+    if args.config is not None:
+        from zerodp.config import load_config  # imports yaml only
+        cfg = load_config(args.config, list(args.overrides))
+        return spec_from_model_config(cfg.model, name=args.config), cfg
+    if args.hf_config is not None:
+        return spec_from_hf_config(args.hf_config), None
+    if args.model is not None:
+        return preset(args.model), None
+    return spec_from_params(parse_count(args.params), args.layers, args.hidden, args.heads, args.vocab), None
+
+
+def build(args):
+    """The Plan `zerodp plan` prints for parsed arguments."""
+    for flag, v, what, ex in (
+        ("--gpus", args.gpus, "GPUs per node", 8), ("--nodes", args.nodes, "the number of nodes", 2),
+        ("--micro-batch", args.micro_batch, "sequences per micro batch", 1),
+        ("--seq-len", args.seq_len, "the sequence length", 2048),
+        ("--grad-accum", args.grad_accum, "micro batches per step", 1),
+    ):
+        _positive(flag, v, what, ex)
+    if not 0 < args.mfu <= 1:
+        raise UserError(f"--mfu {args.mfu} must be in (0, 1], e.g. --mfu 0.4")
+    model, cfg = _model(args)
+    notes = []
+    gpu = gpu_preset(args.gpu) if args.gpu else GPUS["h100"]
+    if args.hbm:
+        gpu = GpuSpec(gpu.name if args.gpu else "gpu", parse_bytes(args.hbm), gpu.peak_flops_16, gpu.peak_flops_32)
+        if not args.gpu:
+            notes.append("step time assumes H100 peak FLOPs (pass --gpu to change)")
+    elif not args.gpu:
+        notes.append("GPU assumed: h100 with 80 GB (pass --gpu or --hbm)")
+    if args.interconnect and args.interconnect not in INTERCONNECTS:
+        raise UserError(f"--interconnect {args.interconnect!r} is not one of {', '.join(INTERCONNECTS)}")
+    cluster = Cluster(gpu=gpu, gpus_per_node=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
+                      cpu_ram_bytes=parse_bytes(args.cpu_ram, "--cpu-ram") if args.cpu_ram else None, mfu=args.mfu)
+
+    if cfg is not None:
+        from zerodp.planner.training import workload_from_config
+        base = workload_from_config(cfg, cluster.world_size)
+        if args.seq_len and args.seq_len > cfg.model.block_size:
+            raise UserError(f"--seq-len {args.seq_len} exceeds model.block_size={cfg.model.block_size}; "
+                            f"raise block_size in the config or pass a shorter --seq-len")
+        ckpt = True if cfg.model.activation_checkpointing else None
+    else:
+        base = Workload(1, min(model.context, 4096))
+        ckpt = None
+    if args.seq_len and args.seq_len > model.context and cfg is None:
+        notes.append(f"--seq-len {args.seq_len} is longer than the model's context {model.context}")
+    workload = Workload(args.micro_batch or base.micro_batch, args.seq_len or base.seq_len,
+                        args.precision or base.precision, args.grad_accum or base.grad_accum_steps, base.bucket_mb)
+    if args.activation_checkpointing:
+        ckpt = args.activation_checkpointing == "on"
+    if model.shape_assumed:
+        notes.append(f"layer shape guessed from the parameter count ({model.n_layer} layers, hidden {model.hidden}); "
+                     "pass --layers and --hidden for exact activations")
+    plan = choose(model, cluster, workload, ckpt)
+    plan.assumptions.extend(notes)
+    return plan
+
+
+def run(args) -> int:
+    """Print the plan (table, or JSON with --json); return 0. Bad input raises UserError."""
+    plan = build(args)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="zerodp")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"zerodp: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

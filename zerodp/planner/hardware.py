@@ -1,0 +1,115 @@
+"""GPUs and links: memory, peak FLOPs and ring bandwidth the planner assumes.
+
+Figures are datasheet values: HBM in GB (1e9 bytes; the driver reports a little more, e.g. an
+H100 80GB shows 81,559 MiB = 85.5 GB, which the planner leaves as extra margin), dense tensor-core
+peak for 16-bit and plain fp32 peak (torch does not use TF32 for matmuls by default).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Optional
+
+from zerodp.errors import UserError
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    name: str
+    hbm_bytes: int
+    peak_flops_16: float
+    """Dense bf16/fp16 tensor-core FLOP/s."""
+    peak_flops_32: float
+    """fp32 FLOP/s without TF32."""
+    cuda: bool = True
+    """A CUDA device: the CUDA context and library workspaces take memory outside torch's allocator."""
+
+
+GPUS = {
+    "h100": GpuSpec("h100", 80 * 10**9, 989e12, 67e12),          # SXM
+    "h100-pcie": GpuSpec("h100-pcie", 80 * 10**9, 756e12, 51e12),
+    "h200": GpuSpec("h200", 141 * 10**9, 989e12, 67e12),
+    "b200": GpuSpec("b200", 180 * 10**9, 2250e12, 80e12),
+    "a100": GpuSpec("a100", 80 * 10**9, 312e12, 19.5e12),        # 80GB SXM
+    "a100-40gb": GpuSpec("a100-40gb", 40 * 10**9, 312e12, 19.5e12),
+    "l40s": GpuSpec("l40s", 48 * 10**9, 362e12, 91.6e12),
+    "a10": GpuSpec("a10", 24 * 10**9, 125e12, 31.2e12),
+    "l4": GpuSpec("l4", 24 * 10**9, 121e12, 30.3e12),
+    "v100": GpuSpec("v100", 32 * 10**9, 125e12, 15.7e12),          # fp16 only: no bf16
+    "rtx4090": GpuSpec("rtx4090", 24 * 10**9, 165e12, 82.6e12),
+    "mi300x": GpuSpec("mi300x", 192 * 10**9, 1307e12, 163e12),
+}
+
+# Effective ring bandwidth per GPU in bytes/s (what NCCL's bus-bandwidth test reaches, not the
+# datasheet peak). A ring is as fast as its slowest hop, so one figure per link suffices.
+INTERCONNECTS = {
+    "nvlink": 300e9,       # NVLink 3/4 inside a node (A100 ~230, H100 ~360-450 GB/s measured)
+    "infiniband": 45e9,    # 400 Gb/s NDR, one NIC per GPU (rail-optimised)
+    "pcie": 20e9,          # Gen4 x16 through the host, no NVLink
+    "ethernet": 10e9,      # 100 GbE per node
+    "shm": 10e9,           # CPU processes on one machine (gloo over shared memory / loopback)
+}
+
+MFU = 0.40
+"""Model FLOPs utilisation assumed for the compute time (torchtitan reports 33-39% on H100)."""
+
+
+def gpu_preset(name: str) -> GpuSpec:
+    """The GPU preset `name` (case-insensitive); UserError naming the known ones."""
+    key = name.strip().lower()
+    if key not in GPUS:
+        close = difflib.get_close_matches(key, list(GPUS), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UserError(f"unknown GPU {name!r}; {hint}known GPUs: {', '.join(GPUS)} "
+                        f"(or give its memory with --hbm, e.g. --hbm 80GB)")
+    return GPUS[key]
+
+
+def gpu_from_device_name(device_name: str, memory_bytes: int) -> tuple[GpuSpec, Optional[str]]:
+    """A GpuSpec for a device as torch names it ('cpu', 'NVIDIA H100 80GB HBM3', ...) with the
+    measured memory; and a note when its speed had to be assumed."""
+    low = device_name.lower()
+    if low == "cpu" or low.startswith("cpu"):
+        return GpuSpec("cpu", memory_bytes, 1e12, 1e12, cuda=False), None
+    for key in sorted(GPUS, key=len, reverse=True):  # 'h100-pcie' before 'h100'
+        base = key.split("-")[0]
+        if base in low.replace(" ", "") and (key == base or key.split("-")[1] in low):
+            g = GPUS[key]
+            return GpuSpec(g.name, memory_bytes, g.peak_flops_16, g.peak_flops_32), None
+    a100 = GPUS["a100"]
+    note = f"unknown device {device_name!r}: step time assumes A100 peak FLOPs"
+    return GpuSpec(device_name, memory_bytes, a100.peak_flops_16, a100.peak_flops_32), note
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The machines a job runs on; every GPU is alike."""
+
+    gpu: GpuSpec = GPUS["h100"]
+    gpus_per_node: int = 1
+    nodes: int = 1
+    interconnect: Optional[str] = None
+    """Slowest link a gradient ring crosses; None: nvlink on one node, infiniband across nodes
+    (shm for CPU processes)."""
+    cpu_ram_bytes: Optional[int] = None
+    """CPU memory per node available for offloaded states; None: not checked."""
+    mfu: float = MFU
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def link(self) -> str:
+        if self.interconnect:
+            return self.interconnect
+        if not self.gpu.cuda:
+            return "shm"
+        return "nvlink" if self.nodes == 1 else "infiniband"
+
+    @property
+    def ring_bandwidth(self) -> float:
+        """Bytes/s each GPU sends in a ring collective: the slowest hop's bandwidth."""
+        bw = INTERCONNECTS[self.link]
+        return min(bw, INTERCONNECTS["nvlink"]) if self.nodes > 1 else bw

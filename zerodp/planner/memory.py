@@ -1,0 +1,223 @@
+"""The memory and time model: `estimate(model, layout) -> MemoryEstimate` for one strategy.
+
+Every formula, with its source, is in docs/memory_model.md. Pure arithmetic: no process group,
+no GPU, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from zerodp.planner.hardware import Cluster
+from zerodp.planner.models import ModelSpec
+
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp")
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+MARGIN = 0.10
+"""Fraction of device memory kept free: allocator fragmentation, temporaries the model ignores."""
+CUDA_OVERHEAD = 2**30
+"""CUDA context, cuBLAS/NCCL workspaces: memory torch's allocator never sees (~1 GiB)."""
+CPU_ADAM_PARAMS_PER_S = 4e9
+"""DeepSpeed CPUAdam throughput per node, parameters per second (ZeRO-Offload paper: ~1B in 0.2-0.3 s)."""
+PCIE_BYTES_PER_S = 20e9
+"""Host<->GPU copy bandwidth per GPU for offloaded states."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step does on each GPU."""
+
+    micro_batch: int = 1
+    seq_len: int = 1024
+    precision: str = "bf16"
+    grad_accum_steps: int = 1
+    bucket_mb: int = 25
+    """strategy.bucket_size_mb: DDP buckets and DeepSpeed reduce/all-gather buckets."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the job: a strategy and its options on a cluster."""
+
+    strategy: str
+    cluster: Cluster
+    workload: Workload
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    activation_checkpointing: bool = False
+
+    @property
+    def name(self) -> str:
+        """The row name: 'zero2', 'zero3+offload_optimizer+offload_params', 'fsdp+offload'."""
+        if self.strategy == "fsdp" and (self.offload_optimizer or self.offload_params):
+            return "fsdp+offload"  # FSDP's CPUOffloadPolicy moves parameters, gradients and optimizer
+        parts = [self.strategy]
+        parts += ["offload_optimizer"] if self.offload_optimizer else []
+        parts += ["offload_params"] if self.offload_params else []
+        return "+".join(parts)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU memory and per-step time of one layout. Bytes are per GPU unless named otherwise."""
+
+    name: str
+    strategy: str
+    offload_optimizer: bool
+    offload_params: bool
+    activation_checkpointing: bool
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    model_states_bytes: int
+    """params + grads + optimizer states resident on the GPU (the ZeRO paper's figure)."""
+    gathered_bytes: int
+    """ZeRO-3/FSDP: full parameters (and gradients) of the units being computed."""
+    bucket_bytes: int
+    activations_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+    hbm_bytes: int
+    usable_bytes: int
+    headroom_bytes: int
+    """hbm_bytes - total_bytes; negative when it does not fit at all."""
+    offloaded_bytes: int
+    """States this GPU's rank keeps in CPU memory."""
+    cpu_bytes_per_node: int
+    cpu_fits: Optional[bool]
+    fits: bool
+    comm_bytes: int
+    """Bytes each GPU sends per optimizer step (ring collectives)."""
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    offload_s: float
+    step_s: float
+    scaling_efficiency: float
+    """compute_s / step_s: the share of the step spent computing rather than waiting."""
+    tokens_per_s_per_gpu: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def model_states(params: int, world_size: int, strategy: str, precision: str) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes per GPU, the ZeRO paper's accounting. Mixed precision:
+    2-byte params and grads, K=12 optimizer bytes (fp32 master, Adam m and v); fp32: 4, 4, 8."""
+    p, g, o = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    shard = lambda nbytes: math.ceil(nbytes * params / world_size)  # noqa: E731  (largest shard)
+    if strategy in ("single", "ddp"):
+        return p * params, g * params, o * params
+    if strategy == "zero1":
+        return p * params, g * params, shard(o)
+    if strategy == "zero2":
+        return p * params, shard(g), shard(o)
+    if strategy in ("zero3", "fsdp"):
+        return shard(p), shard(g), shard(o)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def layer_activation_factor(m: ModelSpec, seq_len: int) -> float:
+    """Bytes per s*b*h one block keeps for backward in 16-bit, after Korthikanti et al. (2022):
+    34 + 5*a*s/h for GPT-2 with dropout and unfused attention."""
+    h = m.hidden
+    drop = 1 if m.dropout else 0
+    attn = 2 + 2 + 4 * m.kv_dim / h + 2 + drop  # QKV input, Q, K and V, out-proj input, dropout mask
+    if not m.fused_attention:  # softmax output (+ its dropout mask and output) per head: a*s^2*b
+        attn += (5 if m.dropout else 2) * m.n_head * seq_len / h
+    if m.mlp == "swiglu":
+        mlp = 2 + 4 * 2 * m.ffn_hidden / h  # input; gate, up, silu(gate), product
+    else:
+        mlp = 2 + 2 * 2 * m.ffn_hidden / h + drop  # input; GELU input, proj input; dropout mask
+    return attn + mlp + 4  # + the two norms' inputs
+
+
+def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool) -> int:
+    """Activations kept for backward for one micro batch, the logits and the loss included."""
+    s, b, h = w.seq_len, w.micro_batch, m.hidden
+    scale = COMPUTE_BYTES[w.precision] / 2  # the factors above are for 16-bit activations
+    one_layer = s * b * h * layer_activation_factor(m, s) * scale
+    if checkpointing:  # each block keeps its input; one block is recomputed at a time
+        layers = m.n_layer * 2 * s * b * h * scale + one_layer
+    else:
+        layers = m.n_layer * one_layer
+    logits = b * s * m.vocab_size * (COMPUTE_BYTES[w.precision] + 4)  # logits + fp32 copy for the loss
+    return int(layers + logits)
+
+
+def comm_bytes(params: int, layout: Layout) -> tuple[int, int]:
+    """(overlappable, exposed) bytes each GPU sends per optimizer step. A ring all-reduce sends
+    2(N-1)/N of the data, a reduce-scatter or all-gather (N-1)/N."""
+    n, w = layout.cluster.world_size, layout.workload
+    if n == 1:
+        return 0, 0
+    one = (n - 1) / n * params * COMPUTE_BYTES[w.precision]  # one reduce-scatter or all-gather
+    acc, s = w.grad_accum_steps, layout.strategy
+    if s == "ddp":  # all-reduce once per step (no_sync while accumulating), during backward
+        return int(2 * one), 0
+    if s == "zero1":  # reduce-scatter at the boundary, all-gather of updated params after the step
+        return int(one), int(one)
+    if s == "zero2":  # reduce-scatter every micro batch (gradients are sharded), then all-gather
+        return int(one * acc), int(one)
+    # zero3/fsdp: all-gather in forward and in backward, reduce-scatter, every micro batch, prefetched
+    return int(3 * one * acc), 0
+
+
+def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
+    """Per-GPU memory and predicted step time of running `model` as `layout` says."""
+    c, w = layout.cluster, layout.workload
+    n, P, ac = c.world_size, model.params, layout.activation_checkpointing
+    cb = COMPUTE_BYTES[w.precision]
+    params_b, grads_b, optim_b = model_states(P, n, layout.strategy, w.precision)
+
+    offloaded = 0
+    if layout.offload_optimizer:  # fp32 master + Adam moments and the fp32 gradient shard live on CPU
+        offloaded += math.ceil(16 * P / n)
+        optim_b = 0
+        grads_b = 0 if layout.strategy != "zero1" else grads_b
+    if layout.offload_params and layout.strategy in ("zero3", "fsdp"):
+        offloaded += params_b if w.precision != "fp32" else 0  # in fp32 the master copy is the param
+        params_b = 0
+    states = params_b + grads_b + optim_b
+
+    sharded = layout.strategy in ("zero3", "fsdp")
+    gathered = model.largest_unit_params * (2 * cb + cb) if sharded and n > 1 else 0  # 2 units + grads
+    buckets = 0 if layout.strategy in ("single", "fsdp") or n == 1 else 2 * w.bucket_mb * 2**20
+    acts = activation_bytes(model, w, ac)
+    overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
+    total = states + gathered + buckets + acts + overhead
+    usable = int(c.gpu.hbm_bytes * (1 - MARGIN))
+    cpu_node = offloaded * c.gpus_per_node
+    cpu_fits = None if not offloaded or c.cpu_ram_bytes is None else cpu_node <= c.cpu_ram_bytes
+
+    # Time: 6*P*tokens FLOPs (forward 2, backward 4), +2 for the recomputed forward.
+    tokens = w.micro_batch * w.seq_len * w.grad_accum_steps
+    flops_per_token = (6 + (2 if ac else 0)) * P
+    peak = c.gpu.peak_flops_32 if w.precision == "fp32" else c.gpu.peak_flops_16
+    compute_s = flops_per_token * tokens / (c.mfu * peak)
+    overlap, exposed = comm_bytes(P, layout)
+    bw = c.ring_bandwidth
+    # Gradient reduction can only hide behind the backward; ZeRO-3/FSDP prefetch behind everything.
+    window = compute_s if sharded else compute_s * (4 + (2 if ac else 0)) / (6 + (2 if ac else 0))
+    exposed_s = max(0.0, overlap / bw - window) + exposed / bw
+    offload_s = 0.0
+    if offloaded:  # CPU Adam on this node's shards, plus gradients down and params up over PCIe
+        offload_s = P / n * c.gpus_per_node / CPU_ADAM_PARAMS_PER_S + (4 + cb) * P / n / PCIE_BYTES_PER_S
+        if layout.offload_params:  # each micro batch fetches the parameter shard, forward and backward
+            offload_s += 2 * cb * P / n * w.grad_accum_steps / PCIE_BYTES_PER_S
+    step_s = compute_s + exposed_s + offload_s
+
+    return MemoryEstimate(
+        name=layout.name, strategy=layout.strategy, offload_optimizer=layout.offload_optimizer,
+        offload_params=layout.offload_params, activation_checkpointing=ac,
+        params_bytes=params_b, grads_bytes=grads_b, optimizer_bytes=optim_b, model_states_bytes=states,
+        gathered_bytes=gathered, bucket_bytes=buckets, activations_bytes=acts, overhead_bytes=overhead,
+        total_bytes=total, hbm_bytes=c.gpu.hbm_bytes, usable_bytes=usable, headroom_bytes=c.gpu.hbm_bytes - total,
+        offloaded_bytes=offloaded, cpu_bytes_per_node=cpu_node, cpu_fits=cpu_fits,
+        fits=total <= usable and cpu_fits is not False,
+        comm_bytes=overlap + exposed, compute_s=compute_s, comm_s=(overlap + exposed) / bw,
+        exposed_comm_s=exposed_s, offload_s=offload_s, step_s=step_s,
+        scaling_efficiency=compute_s / step_s, tokens_per_s_per_gpu=tokens / step_s,
+    )

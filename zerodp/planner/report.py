@@ -1,0 +1,82 @@
+"""How a Plan is shown: the table `zerodp plan` prints and the JSON object of `--json`.
+
+The JSON field names are a stable interface, documented in docs/memory_model.md.
+"""
+
+from __future__ import annotations
+
+from zerodp.planner.memory import MARGIN
+from zerodp.planner.units import gb, human_count, seconds
+
+SCHEMA_VERSION = 1
+
+_COLUMNS = ("strategy", "ckpt", "params", "grads", "optim", "buffers", "activ", "overhd", "total", "fits",
+            "headroom", "comm/step", "step", "effic", "cpu/node")
+
+
+def _header(plan) -> list[str]:
+    m, c, w = plan.model, plan.cluster, plan.workload
+    shape = f"{m.n_layer} layers, hidden {m.hidden}, {m.n_head} heads, vocab {m.vocab_size}"
+    nodes = f"{c.nodes} nodes x {c.gpus_per_node}" if c.nodes > 1 else f"1 node x {c.gpus_per_node}"
+    ckpt = {None: "planner's choice", True: "on", False: "off"}[plan.requested_checkpointing]
+    return [
+        f"zerodp plan: {m.name}, {human_count(m.params)} parameters ({m.params:,}; {shape})",
+        f"cluster: {c.world_size} x {c.gpu.name} {gb(c.gpu.hbm_bytes)} ({nodes}), {c.link}, "
+        f"MFU {c.mfu:.0%}" + (f", CPU RAM {gb(c.cpu_ram_bytes)}/node" if c.cpu_ram_bytes else ""),
+        f"step: micro batch {w.micro_batch} x {w.seq_len} tokens x {w.grad_accum_steps} accumulation, "
+        f"{w.precision}, activation checkpointing: {ckpt}",
+        f"memory per GPU in GB (1e9 bytes); fits = total within {1 - MARGIN:.0%} of {gb(c.gpu.hbm_bytes)}",
+    ]
+
+
+def _cells(e) -> list[str]:
+    g = lambda b: f"{b / 1e9:.1f}"  # noqa: E731
+    return [
+        e.name, "on" if e.activation_checkpointing else "off", g(e.params_bytes), g(e.grads_bytes),
+        g(e.optimizer_bytes), g(e.gathered_bytes + e.bucket_bytes), g(e.activations_bytes),
+        g(e.overhead_bytes), g(e.total_bytes), "yes" if e.fits else "NO", g(e.headroom_bytes),
+        g(e.comm_bytes), seconds(e.step_s), f"{e.scaling_efficiency:.0%}",
+        g(e.cpu_bytes_per_node) if e.offloaded_bytes else "-",
+    ]
+
+
+def render_table(plan) -> str:
+    """The header, one row per strategy, then the choice and one sentence per rejected option."""
+    rows = [list(_COLUMNS)] + [_cells(e) for e in plan.estimates]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = _header(plan) + [""]
+    for r in rows:
+        lines.append("  ".join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
+                               for i in range(len(r))).rstrip())
+    lines.append("")
+    lines += plan.reasons
+    lines += [f"note: {a}" for a in plan.assumptions]
+    return "\n".join(lines)
+
+
+def plan_dict(plan) -> dict:
+    """The plan as plain JSON types, field names as documented in docs/memory_model.md."""
+    m, c, w = plan.model, plan.cluster, plan.workload
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": m.name,
+        "params": m.params,
+        "shape": {"n_layer": m.n_layer, "hidden": m.hidden, "n_head": m.n_head, "vocab_size": m.vocab_size,
+                  "ffn_hidden": m.ffn_hidden, "kv_dim": m.kv_dim, "context": m.context, "assumed": m.shape_assumed},
+        "cluster": {"gpu": c.gpu.name, "hbm_bytes": c.gpu.hbm_bytes, "gpus_per_node": c.gpus_per_node,
+                    "nodes": c.nodes, "world_size": c.world_size, "interconnect": c.link,
+                    "ring_bandwidth_bytes_per_s": c.ring_bandwidth, "cpu_ram_bytes": c.cpu_ram_bytes, "mfu": c.mfu},
+        "workload": {"micro_batch": w.micro_batch, "seq_len": w.seq_len, "precision": w.precision,
+                     "grad_accum_steps": w.grad_accum_steps, "bucket_mb": w.bucket_mb},
+        "margin": MARGIN,
+        "activation_checkpointing_requested": plan.requested_checkpointing,
+        "choice": plan.choice_name,
+        "strategy": plan.choice,
+        "offload_optimizer": plan.offload_optimizer,
+        "offload_params": plan.offload_params,
+        "activation_checkpointing": plan.activation_checkpointing,
+        "reasons": list(plan.reasons),
+        "suggestion": plan.suggestion,
+        "assumptions": list(plan.assumptions),
+        "strategies": [e.to_dict() for e in plan.estimates],
+    }

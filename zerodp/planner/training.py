@@ -1,0 +1,51 @@
+"""`plan_for_training`: what `strategy: auto` calls to pick a strategy for a training config."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from zerodp.errors import UserError
+from zerodp.planner.choose import Plan, choose
+from zerodp.planner.hardware import Cluster, gpu_from_device_name
+from zerodp.planner.memory import Workload
+from zerodp.planner.models import spec_from_model_config
+
+
+def workload_from_config(cfg, world_size: int) -> Workload:
+    """One step of `cfg` on `world_size` ranks: micro batch, block_size tokens, precision, buckets.
+    An uneven batch split is reported by Config.check_batch_split, not here: round down, at least 1."""
+    t = cfg.train
+    accum = max(1, t.global_batch_size // (t.micro_batch_size * world_size))
+    return Workload(t.micro_batch_size, cfg.model.block_size, t.precision, accum, cfg.strategy.bucket_size_mb)
+
+
+def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_name: str = "cpu", *,
+                      gpus_per_node: Optional[int] = None, allow_checkpointing: bool = True) -> Plan:
+    """Choose how to train `cfg` (a zerodp.config.Config) on `world_size` ranks whose devices each
+    have `device_memory_bytes` (torch.cuda.get_device_properties(i).total_memory, or the RAM share
+    of a CPU rank) and are called `device_name` (torch.cuda.get_device_name(), or 'cpu').
+
+    Returns a Plan whose `.choice` is 'single' (world_size 1) or ddp|zero1|zero2|zero3|fsdp, or None
+    when nothing fits; the caller must also apply `.offload_optimizer`, `.offload_params` and
+    `.activation_checkpointing`. model.activation_checkpointing=true forces checkpointing on;
+    otherwise the planner turns it on only where that is what makes the model fit (unless
+    `allow_checkpointing` is False). `gpus_per_node` defaults to world_size up to 8 ranks, else 8
+    when it divides world_size. Imports neither torch nor deepspeed.
+    """
+    if world_size < 1:
+        raise UserError(f"world_size={world_size} must be at least 1")
+    if device_memory_bytes <= 0:
+        raise UserError(f"device memory {device_memory_bytes} bytes must be positive")
+    per_node = gpus_per_node or (8 if world_size > 8 and world_size % 8 == 0 else world_size)
+    if world_size % per_node:
+        raise UserError(f"world_size={world_size} is not a multiple of gpus_per_node={per_node}")
+    gpu, note = gpu_from_device_name(device_name, device_memory_bytes)
+    cluster = Cluster(gpu=gpu, gpus_per_node=per_node, nodes=world_size // per_node)
+    requested = True if cfg.model.activation_checkpointing else (None if allow_checkpointing else False)
+    plan = choose(spec_from_model_config(cfg.model), cluster, workload_from_config(cfg, world_size), requested)
+    if note:
+        plan.assumptions.append(note)
+    if plan.activation_checkpointing and not cfg.model.activation_checkpointing and plan.choice:
+        plan.reasons.append("The config has model.activation_checkpointing=false; the plan turns it on "
+                            "(set it to true to make this explicit).")
+    return plan

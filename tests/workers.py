@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+import zerodp.train
 from zerodp.config import load_config
+from zerodp.data import TokenBatches
+from zerodp.errors import PeerFailure
 from zerodp.train import train
 
 
@@ -16,3 +26,50 @@ def train_runs(runs: list[dict]) -> list[dict]:
                         "weights": summary["weights"], "state_bytes": summary["state_bytes"],
                         "strategy": summary["strategy"]})
     return results
+
+
+def die_at_step(overrides: list[str], rank: int, step: int) -> dict:
+    """`rank` dies (no goodbye) when it starts optimizer step `step`; the others report what they saw."""
+    real_step = zerodp.train.train_step
+    calls = {"n": 0}
+
+    def dying_step(*args, **kwargs):
+        if dist.get_rank() == rank and calls["n"] == step:
+            os._exit(1)
+        calls["n"] += 1
+        return real_step(*args, **kwargs)
+
+    zerodp.train.train_step = dying_step
+    try:
+        train(load_config(None, overrides + ["strategy.timeout_s=30"]), fresh=True)
+    except PeerFailure as e:
+        return {"error": str(e), "no_barrier": True}
+    return {"error": None, "no_barrier": True}
+
+
+def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict:
+    """Slow `rank` by `delay` seconds per step, in its compute or in its data loading."""
+    if dist.get_rank() == rank:
+        if where == "compute":  # a slow device: its forward (and backward) take longer
+            from zerodp.model import GPT
+
+            real_forward = GPT.forward
+
+            def slow_forward(self, *args, **kwargs):
+                time.sleep(delay)
+                return real_forward(self, *args, **kwargs)
+
+            GPT.forward = slow_forward
+        else:
+            real_batches = TokenBatches.rank_micro_batches
+
+            def slow_batches(self, *args, **kwargs):
+                time.sleep(delay)
+                return real_batches(self, *args, **kwargs)
+
+            TokenBatches.rank_micro_batches = slow_batches
+    cfg = load_config(None, overrides + ["data.prefetch=0"])
+    summary = train(cfg, fresh=True)
+    records = [json.loads(x) for x in (Path(cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()] \
+        if dist.get_rank() == 0 else []
+    return {"records": records, "straggler_wait_s": summary["straggler_wait_s"]}

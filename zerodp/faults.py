@@ -5,8 +5,10 @@
   watchdog ends the process if that takes longer than the grace period.
 - `Heartbeat`: each rank records its last finished step in the job's key-value store; when a
   collective fails or times out, the survivors name the rank(s) and host(s) that stopped answering.
-- `StragglerMonitor`: per-rank step time split into compute and data wait; a rank slower than the
-  median by a margin for several consecutive steps is reported by rank and host.
+- `StragglerMonitor`: per-rank forward-pass time and data wait; a rank slower than the median by a
+  margin for several consecutive steps is reported by rank and host, with the cause (data or compute).
+  The whole step time cannot show a straggler: synchronous ranks all wait for the slowest inside the
+  gradient reduction, so every rank's step takes the same time.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class Heartbeat:
                     if r == self.rank:
                         continue
                     last_step, when = self.store.get(f"zerodp/heartbeat/{r}").decode().split(":")
-                    if int(last_step) < step:
+                    if int(last_step) < step + 1:  # it never finished the step we are in
                         behind.append(f"rank {r} on {self.hosts[r]} (last finished step {last_step}, "
                                       f"{now - float(when):.0f}s ago)")
             except Exception:
@@ -110,7 +112,8 @@ class StragglerMonitor:
     reported: dict[int, str] = field(default_factory=dict)
 
     def update(self, compute: list[float], data_wait: list[float]) -> list[dict]:
-        """Feed one step's per-rank times; return the stragglers confirmed at this step."""
+        """Feed one step's per-rank compute (forward) and data-wait seconds; return the stragglers
+        confirmed at this step. `waited_s` accumulates how long the job waited for its slowest rank."""
         total = [c + d for c, d in zip(compute, data_wait)]
         median = statistics.median(total)
         self.waited_s += max(total) - median

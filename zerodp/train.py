@@ -145,11 +145,11 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             t0 = time.perf_counter()
             data_wait = t0 - t_end
             lr = lr_at(cfg, step)
-            local_loss, grad_norm = train_step(strategy, micro_batches, lr, env.device)
+            local_loss, grad_norm, forward_s = train_step(strategy, micro_batches, lr, env.device)
             compute = time.perf_counter() - t0
             heartbeat.beat(step + 1)
             # One small all-gather per step: losses, per-rank times and any preemption request.
-            per_rank = all_gather_floats([local_loss, compute, data_wait, float(preemption.requested)])
+            per_rank = all_gather_floats([local_loss, compute, data_wait, float(preemption.requested), forward_s])
             sync_wait = time.perf_counter() - t0 - compute
             loss_mean = sum(r[0] for r in per_rank) / env.world_size
             times = [r[1] + r[2] for r in per_rank]
@@ -163,7 +163,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
                 "max_step_time_s": times[slowest], "slowest_rank": slowest,
                 "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
             }
-            found = stragglers.update([r[1] for r in per_rank], [r[2] for r in per_rank])
+            found = stragglers.update([r[4] for r in per_rank], [r[2] for r in per_rank])
             if found:
                 record["stragglers"] = found
                 for f in found:
@@ -209,18 +209,52 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     return summary
 
 
-def train_step(strategy, micro_batches: list, lr: float, device: torch.device) -> tuple[float, float]:
-    """One optimizer step over this rank's micro batches; return (mean local loss, global grad norm)."""
+def train_step(strategy, micro_batches: list, lr: float, device: torch.device) -> tuple[float, float, float]:
+    """One optimizer step over this rank's micro batches.
+
+    Returns (mean local loss, global grad norm, seconds in forward passes). Forward time is the
+    straggler signal: under ddp/zero1/zero2 it holds no communication, so a slow rank shows there,
+    while the fast ranks' waiting hides inside the backward's gradient reduction."""
     loss_sum = torch.zeros((), device=device)
+    forward = _Stopwatch(device)
     for i, (x, y) in enumerate(micro_batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with strategy.micro_step(is_last=i == len(micro_batches) - 1):
-            with strategy.autocast():
+            with strategy.autocast(), forward:
                 loss = strategy.model(x, y)
             strategy.backward(loss)
         loss_sum += loss.detach().float()
     grad_norm = strategy.step(lr)
-    return (loss_sum / len(micro_batches)).item(), grad_norm  # .item() syncs: step time is real
+    return (loss_sum / len(micro_batches)).item(), grad_norm, forward.seconds()  # .item() syncs the device
+
+
+class _Stopwatch:
+    """Accumulates time inside `with` blocks: CUDA events on a GPU (kernels run async), else a clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list = []
+        self.total = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.spans.append([start, None])
+        else:
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans[-1][1] = end
+        else:
+            self.total += time.perf_counter() - self.t0
+
+    def seconds(self) -> float:
+        """Call after the device was synchronised."""
+        return self.total + sum(s.elapsed_time(e) / 1000 for s, e in self.spans)
 
 
 @torch.no_grad()

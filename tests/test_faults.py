@@ -1,0 +1,119 @@
+"""Faults: a killed rank under torchrun restarts bit-identically; SIGTERM saves and exits; dead peers and
+stragglers are named."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.harness import ROOT, base_env, free_port, run_distributed
+
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+
+
+def small(tiny, out, steps=12, every=2):
+    return [a for a in tiny if not a.startswith("checkpoint.every")] + [
+        "strategy.name=ddp", "train.global_batch_size=8", f"train.max_steps={steps}",
+        f"checkpoint.every={every}", "checkpoint.keep_last=2", f"train.out_dir={out}"]
+
+
+def torchrun(args: list[str], restarts: int = 3) -> subprocess.Popen:
+    env = base_env(2)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
+        env.pop(k)
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--max-restarts", str(restarts), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "zerodp", "train", "configs/tiny.yaml", *args]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def metric_lines(out: Path) -> int:
+    p = out / "metrics.jsonl"
+    return len(p.read_text().splitlines()) if p.exists() else 0
+
+
+def workers_of(agent: subprocess.Popen) -> list[int]:
+    r = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True)
+    return [int(x) for x in r.stdout.split()]
+
+
+def final_weights(out: Path) -> dict:
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    return load_file(out / "checkpoints" / latest / "model.safetensors")
+
+
+def test_sigkill_at_random_moments_restarts_bit_identical(tiny, tmp_path):
+    steps = 12
+    reference = tmp_path / "uninterrupted"
+    run_distributed("tests.workers:train_runs", 2, {"runs": [{"overrides": small(tiny, reference, steps)}]})
+    want = final_weights(reference)
+    rng = random.Random(int(os.environ.get("ZERODP_FAULT_SEED", "1234")))
+    for trial in range(3):
+        out = tmp_path / f"trial{trial}"
+        kill_after, delay = rng.randint(1, steps - 3), rng.uniform(0.0, 0.3)
+        agent = torchrun(small(tiny, out, steps) + ["train.progress=false"])
+        deadline = time.monotonic() + 240
+        while metric_lines(out) < kill_after and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(delay)  # lands mid-step or mid-save
+        victims = workers_of(agent)
+        assert victims, "no workers to kill: the run finished too early"
+        victim = rng.choice(victims)
+        os.kill(victim, signal.SIGKILL)
+        log = agent.communicate(timeout=300)[0].decode(errors="replace")
+        assert agent.returncode == 0, log[-3000:]
+        assert "resumed from" in log, f"trial {trial}: no restart seen\n{log[-3000:]}"
+        got = final_weights(out)
+        assert got.keys() == want.keys()
+        for name in want:
+            assert (got[name] == want[name]).all(), f"trial {trial} (kill after {kill_after} steps): {name} differs"
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+
+
+def test_sigterm_finishes_the_step_saves_and_exits(tiny, tmp_path):
+    out = tmp_path / "run"
+    agent = torchrun(small(tiny, out, steps=500, every=0) + ["train.progress=false"], restarts=0)
+    deadline = time.monotonic() + 240
+    while metric_lines(out) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in workers_of(agent):  # as a scheduler would: every rank gets the signal
+        os.kill(pid, signal.SIGTERM)
+    log = agent.communicate(timeout=120)[0].decode(errors="replace")
+    assert agent.returncode == 0, log[-3000:]
+    assert "preempted: stopped after step" in log
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    step = int(latest.split("_")[1])
+    assert 3 <= step < 500
+    assert metric_lines(out) == step  # every rank stopped after the same step
+
+
+def test_dead_peer_is_named(tiny, tmp_path):
+    results = run_distributed("tests.workers:die_at_step", 2,
+                              {"overrides": small(tiny, tmp_path, steps=20, every=0), "rank": 1, "step": 3},
+                              allow_missing=True)
+    assert results[1] is None  # the dead rank wrote nothing
+    msg = results[0]["error"]
+    assert msg.startswith("rank 0 on ") and "rank 1 on " in msg and "last finished step 3" in msg, msg
+    assert "Restart the job" in msg
+
+
+@pytest.mark.parametrize("where, cause", [("compute", "slow compute"), ("data", "data loading stall")])
+def test_straggler_is_reported_with_its_cause(tiny, tmp_path, where, cause):
+    res = run_distributed("tests.workers:slow_rank", 2,
+                          {"overrides": small(tiny, tmp_path, steps=8, every=0), "rank": 1, "delay": 0.25,
+                           "where": where})[0]
+    found = [s for rec in res["records"] for s in rec.get("stragglers", [])]
+    assert found and {s["rank"] for s in found} == {1}, res["records"]
+    assert all(s["cause"] == cause for s in found)
+    # with two ranks the median is their mean: the job waited about half the delay per step
+    assert res["straggler_wait_s"] > 8 * 0.25 / 2 * 0.6

@@ -117,3 +117,26 @@ def test_straggler_is_reported_with_its_cause(tiny, tmp_path, where, cause):
     assert all(s["cause"] == cause for s in found)
     # with two ranks the median is their mean: the job waited about half the delay per step
     assert res["straggler_wait_s"] > 8 * 0.25 / 2 * 0.6
+
+
+def test_two_nodes_on_loopback_train_like_one_process(tiny, tmp_path):
+    """torchrun --nnodes 2 with separate node ranks on 127.0.0.1 follows the single-process losses."""
+    from tests.reference import reference_run
+    from zerodp.config import load_config
+
+    over = small(tiny, tmp_path / "run", steps=6, every=0)
+    ref_losses, _ = reference_run(load_config(None, over))
+    port = free_port()
+    env = base_env(2)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
+        env.pop(k)
+    agents = [subprocess.Popen(
+        [TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+         "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "zerodp", "train", "configs/tiny.yaml", *over, "train.progress=false"],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for node in (0, 1)]
+    logs = [a.communicate(timeout=300)[0].decode(errors="replace") for a in agents]
+    assert all(a.returncode == 0 for a in agents), logs[0][-2000:] + logs[1][-2000:]
+    assert "on 2 process(es)" in logs[0]
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, abs=1e-5)

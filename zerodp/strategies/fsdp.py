@@ -1,0 +1,188 @@
+"""torch FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the ranks.
+
+Every parameter becomes a DTensor sharded on dim 0 (uneven sizes are padded inside FSDP; the local
+shard seen here is unpadded). Each transformer block is one FSDP unit, the root unit holds the rest
+(the tied wte/lm_head weight, wpe, ln_f). A unit's parameters are all-gathered before its forward,
+freed after it when `reshard_after_forward` (ZeRO-3-like) or kept until backward (ZeRO-2-like),
+all-gathered again in backward if they were freed, and its gradients are reduce-scattered (averaged)
+once per optimizer step.
+
+Precision: the sharded fp32 parameters are the master weights. For bf16/fp16 FSDP casts the gathered
+parameters to 16 bits for compute and reduce-scatters gradients in fp32 into fp32 gradient shards; the
+optimizer steps the fp32 shards. fp16 adds dynamic loss scaling with torch.amp.GradScaler, whose
+inf/nan check is reduced over all ranks for DTensor gradients (a step is skipped everywhere or nowhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from zerodp.errors import CheckpointError
+from zerodp.optim import adamw_kwargs, param_groups
+from zerodp.strategies.base import RunContext
+from zerodp.strategies.common import DTYPES, optimizer_state_tensors, set_lr, tensor_bytes
+
+CKPT_FORMAT = 1
+DCP_DIR = "dcp"  # torch.distributed.checkpoint folder inside the checkpoint
+META_FILE = "fsdp.json"  # beside it: naming, tying and the loss scale
+TIED = {"lm_head.weight": "transformer.wte.weight"}
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """16-bit compute over fp32 shards with fp32 gradient reduction; fp32 training casts nothing."""
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def offload(ctx: RunContext) -> OffloadPolicy:
+    """FSDP2 offloads parameters, gradients and the optimizer step together: one switch for both flags."""
+    s = ctx.cfg.strategy
+    if s.offload_params or s.offload_optimizer:
+        return CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda")  # pinning needs a GPU
+    return OffloadPolicy()
+
+
+def apply_fsdp(model: nn.Module, ctx: RunContext) -> nn.Module:
+    """Shard `model` in place: one unit per transformer block, then the root.
+
+    Ordering rules: activation checkpointing is already inside the model's forward (it must wrap the
+    block's forward inside the FSDP unit, so that recomputation re-gathers through FSDP's hooks);
+    blocks are sharded before the root, because fully_shard on a module takes every parameter not
+    already claimed by a child unit: the root then holds only wte (= lm_head, tied), wpe and ln_f.
+    The optimizer is built after this, over the DTensor shards."""
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    kwargs = dict(mesh=mesh, mp_policy=mixed_precision(ctx.cfg.train.precision), offload_policy=offload(ctx))
+    reshard = ctx.cfg.strategy.reshard_after_forward
+    for block in model.blocks():
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    # The root's parameters (lm_head) are the first needed in backward, right after forward ends:
+    # keeping them gathered saves an all-gather and costs nothing at the peak (FSDP's own default).
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    tied = model.transformer.wte.weight
+    assert model.lm_head.weight is tied and isinstance(tied, DTensor), "sharding untied the embeddings"
+    return model
+
+
+class FSDPStrategy:
+    name = "fsdp"
+
+    def setup(self, model: nn.Module, ctx: RunContext) -> None:
+        self.ctx = ctx
+        if ctx.device.type == "cuda":
+            model = model.to(ctx.device)  # then each rank keeps only its shards (or moves them to CPU: offload)
+        self.model = apply_fsdp(model, ctx)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, ctx.cfg), **adamw_kwargs(ctx.cfg))
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
+        self._unsharded_peak = 0
+        for unit in [*self.model.blocks(), self.model]:
+            # Runs after FSDP's own pre-forward hook (prepended), so the unit's parameters are gathered.
+            unit.register_forward_pre_hook(self._measure_unsharded)
+
+    def _measure_unsharded(self, module: nn.Module, args) -> None:
+        """Bytes of parameters currently gathered (plain tensors, not DTensor shards), all units."""
+        live = tensor_bytes(p for p in self.model.parameters() if not isinstance(p, DTensor))
+        self._unsharded_peak = max(self._unsharded_peak, live)
+
+    def micro_step(self, is_last: bool):
+        # Without sync, FSDP keeps accumulating unsharded gradients (in fp32 under mixed precision) and
+        # reduce-scatters once, on the last micro batch's backward. Set before forward: it applies to
+        # every unit's post-backward.
+        self.model.set_requires_gradient_sync(is_last)
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        # FSDP's MixedPrecisionPolicy casts the gathered parameters; autocast on top would re-cast.
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss / self.ctx.grad_accum_steps).backward()
+
+    def step(self, lr: float) -> float:
+        set_lr(self.optimizer, lr)
+        self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        # Each rank holds a shard of every gradient: the norm is a DTensor reduced over the mesh.
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        clip = self.ctx.cfg.optim.grad_clip
+        if clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's bytes, counted from live tensors (padding of uneven shards included).
+
+        'params': the fp32 parameter shards, which are also the master weights in bf16/fp16 (FSDP keeps
+        no other copy; the ZeRO paper's 16-bit params exist here only while gathered); 'grads': the fp32
+        gradient shards; 'optim': AdamW's exp_avg, exp_avg_sq and step; 'unsharded_peak': the most
+        gathered (compute-dtype) parameter bytes seen at any unit's forward so far, 0 before the first
+        forward. With offload all but 'unsharded_peak' live in host memory."""
+        params = list(self.model.parameters())
+        return {
+            "params": tensor_bytes(params),
+            "grads": tensor_bytes(p.grad for p in params),
+            "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)),
+            "unsharded_peak": self._unsharded_peak,
+        }
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        # named_parameters() yields the tied weight once (as transformer.wte.weight), like a plain GPT.
+        return {n: _full(p) for n, p in self.model.named_parameters()}
+
+    def save(self, ckpt_dir: Path) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions())
+        for alias in TIED:  # one name per tensor: the tied alias is restored from its source on load
+            model_sd.pop(alias, None)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_dir / DCP_DIR)
+        if dist.get_rank() == 0:
+            meta = {
+                "format": CKPT_FORMAT,
+                "layout": "torch.distributed.checkpoint",
+                "dcp_dir": DCP_DIR,
+                # DCP keys: model.<name> (fp32, global shapes) and optim.state.<name>.{step,exp_avg,
+                # exp_avg_sq}, optim.param_groups.<i>.params = [<name>, ...]: plain GPT names throughout.
+                "fqns": sorted(model_sd),
+                "tied": TIED,
+                "world_size": self.ctx.world_size,
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            }
+            (ckpt_dir / META_FILE).write_text(json.dumps(meta, indent=1))
+
+    def load(self, ckpt_dir: Path) -> None:
+        if not (ckpt_dir / META_FILE).is_file():
+            raise CheckpointError(f"{ckpt_dir} has no {META_FILE}: it was not saved by strategy fsdp; resume "
+                                  f"with the strategy that saved it, or start fresh with --fresh")
+        meta = json.loads((ckpt_dir / META_FILE).read_text())
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions())
+        for alias in meta["tied"]:
+            model_sd.pop(alias, None)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=ckpt_dir / meta["dcp_dir"])  # reshards to this world size
+        for alias, source in meta["tied"].items():
+            state["model"][alias] = state["model"][source]
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=StateDictOptions())
+        if meta.get("scaler") and self.scaler.is_enabled():
+            self.scaler.load_state_dict(meta["scaler"])
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """Collective for DTensors: the whole fp32 tensor on every rank (FSDP's padding removed)."""
+    t = p.detach()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).float().clone()

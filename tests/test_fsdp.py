@@ -129,3 +129,18 @@ def test_fsdp_state_bytes_and_full_state_dict_with_uneven_shards(tiny):
         assert r["step"]["optim"] == pytest.approx(2 * params, rel=0.05)  # exp_avg + exp_avg_sq (+ step)
         # the gathered parameters of the root and at least one block, never the whole model twice
         assert block < r["backward"]["unsharded_peak"] <= 4 * P
+
+
+def test_hybrid_sharding_on_a_2d_mesh_matches_reference(tiny, tmp_path):
+    """HSDP: 4 ranks as 2 replicas x 2 shards ('nodes' of 2), fp32, against the plain AdamW reference."""
+    over = tiny + ["train.global_batch_size=8", "train.max_steps=6", "optim.lr=1e-3", "optim.min_lr=1e-4",
+                   "strategy.name=fsdp", "strategy.hybrid_shard=true", "strategy.shard_group_size=2",
+                   f"train.out_dir={tmp_path}"]
+    ref_losses, ref_weights = reference_run(load_config(None, over))
+    (got,) = run_distributed("tests.workers:train_runs", 4, {"runs": [{"overrides": over}]})[0]
+    assert got["losses"] == pytest.approx(ref_losses, abs=1e-5)
+    diff = max((got["weights"][k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    assert diff < 1e-5
+    # sharded within the pair only: each rank holds half of the parameters, not a quarter
+    total = sum(w.numel() for w in ref_weights.values()) * 4
+    assert 0.45 * total < got["state_bytes"]["params"] < 0.6 * total

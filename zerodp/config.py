@@ -134,6 +134,10 @@ class StrategyConfig:
     """Keep parameters in CPU memory between uses (zero3, fsdp)."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (ZeRO-3-like); false keeps them (ZeRO-2-like)."""
+    hybrid_shard: bool = False
+    """FSDP: shard within groups of shard_group_size ranks (a node), replicate across groups (HSDP)."""
+    shard_group_size: int = 0
+    """FSDP hybrid sharding: ranks per shard group; 0 means the ranks of one node (LOCAL_WORLD_SIZE)."""
     timeout_s: int = 600
     """Collective timeout: a rank that waits longer than this for its peers stops with an error."""
     deepspeed: dict = field(default_factory=dict)
@@ -220,6 +224,7 @@ class Config:
         _one_of("strategy.name", s.name, STRATEGIES)
         _positive("strategy.bucket_size_mb", s.bucket_size_mb)
         _positive("strategy.timeout_s", s.timeout_s)
+        _non_negative("strategy.shard_group_size", s.shard_group_size)
         _non_negative("checkpoint.every", c.every)
         _positive("checkpoint.keep_last", c.keep_last)
         return self

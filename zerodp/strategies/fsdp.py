@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from zerodp.errors import CheckpointError
+from zerodp.errors import CheckpointError, UserError
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import DTYPES, optimizer_state_tensors, set_lr, tensor_bytes
@@ -54,6 +55,21 @@ def offload(ctx: RunContext) -> OffloadPolicy:
     return OffloadPolicy()
 
 
+def device_mesh(ctx: RunContext):
+    """1-D mesh (shard over every rank), or with strategy.hybrid_shard a 2-D (replicate, shard) mesh:
+    parameters are sharded within a group (a node: all-gathers stay on the fast intra-node links) and
+    replicated across groups, whose gradients are all-reduced (HSDP)."""
+    s = ctx.cfg.strategy
+    if not s.hybrid_shard:
+        return init_device_mesh(ctx.device.type, (ctx.world_size,))
+    group = s.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    if ctx.world_size % group:
+        raise UserError(f"strategy.shard_group_size={group} does not divide the world size {ctx.world_size}; "
+                        f"set it to the number of ranks per node (a divisor of {ctx.world_size})")
+    return init_device_mesh(ctx.device.type, (ctx.world_size // group, group),
+                            mesh_dim_names=("replicate", "shard"))
+
+
 def apply_fsdp(model: nn.Module, ctx: RunContext) -> nn.Module:
     """Shard `model` in place: one unit per transformer block, then the root.
 
@@ -62,7 +78,7 @@ def apply_fsdp(model: nn.Module, ctx: RunContext) -> nn.Module:
     blocks are sharded before the root, because fully_shard on a module takes every parameter not
     already claimed by a child unit: the root then holds only wte (= lm_head, tied), wpe and ln_f.
     The optimizer is built after this, over the DTensor shards."""
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mesh = device_mesh(ctx)
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision(ctx.cfg.train.precision), offload_policy=offload(ctx))
     reshard = ctx.cfg.strategy.reshard_after_forward
     for block in model.blocks():

@@ -68,3 +68,28 @@ def test_resume_under_another_strategy_is_refused_with_advice(tiny, tmp_path):
              "fresh": False}]
     with pytest.raises(RuntimeError, match="saved by strategy single on 1 processes; this run is ddp on 1"):
         run_distributed("tests.workers:train_runs", 1, {"runs": runs})
+
+
+def test_disk_full_is_a_clear_error_and_keeps_the_previous_checkpoint(tiny, tmp_path):
+    """A real full disk: a 1 MiB tmpfs that holds one checkpoint of a model too big for two."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    try:
+        over = [a for a in tiny if not a.startswith("model.n_embd")] + [
+            "model.n_embd=48", "strategy.name=ddp", "train.max_steps=4", "checkpoint.every=2",
+            "checkpoint.keep_last=3", f"train.out_dir={disk}"]
+        with pytest.raises(RuntimeError) as info:
+            run_distributed("tests.workers:train_runs", 2, {"runs": [{"overrides": over}]})
+        message = str(info.value)
+        assert "could not write checkpoint step_00000004" in message
+        assert "No space left on device" in message and "the newest intact checkpoint is still step_00000002" in message
+        root = disk / "checkpoints"
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002"]
+        assert checkpoint.verify(root / "step_00000002") is None
+    finally:
+        subprocess.run(["umount", str(disk)])

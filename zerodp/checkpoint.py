@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from zerodp.errors import CheckpointError
@@ -69,38 +70,87 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def save(strategy, out_dir: str | Path, step: int, trainer_state: dict, meta: dict, keep_last: int) -> Path:
-    """Collective: save the strategy's state and the trainer state at `step`; return the final folder."""
+    """Collective: save the strategy's state and the trainer state at `step`; return the final folder.
+
+    If any rank cannot write (disk full, permissions), every rank raises CheckpointError together; the
+    partial folder is removed and the previous checkpoint stays the newest."""
     root = checkpoint_root(out_dir)
     final = root / step_dir_name(step)
     tmp = root / (step_dir_name(step) + ".tmp")
     rank = dist.get_rank()
+    error = None
     if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+        error = _attempt(lambda: _fresh_dir(tmp))
+    _agree(error, tmp, step, root)
+    error = _attempt(lambda: _write_rank_files(strategy, tmp, rank))
+    _agree(error, tmp, step, root)  # every rank's files are on disk
+    if rank == 0:
+        error = _attempt(lambda: _publish(tmp, final, root, trainer_state, meta, step, keep_last))
+    _agree(error, tmp, step, root)
+    return final
+
+
+def _fresh_dir(tmp: Path) -> None:
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+
+def _write_rank_files(strategy, tmp: Path, rank: int) -> None:
     strategy.save(tmp)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     save_file(rng, tmp / f"rng_rank{rank}.safetensors")
-    dist.barrier()  # every rank's files are on disk
-    if rank == 0:
-        (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
-        files = {}
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file():
-                files[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        meta = dict(meta, format_version=FORMAT_VERSION, step=step, files=files)
-        (tmp / META).write_text(json.dumps(meta, indent=1))
-        _fsync_tree(tmp)
-        if final.exists():  # a complete checkpoint of the same step from an earlier attempt
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomic(root / "latest", final.name + "\n")
-        _apply_retention(root, keep_last)
-    dist.barrier()
-    return final
+
+
+def _publish(tmp: Path, final: Path, root: Path, trainer_state: dict, meta: dict, step: int, keep_last: int) -> None:
+    (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
+    files = {}
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file():
+            files[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    meta = dict(meta, format_version=FORMAT_VERSION, step=step, files=files)
+    (tmp / META).write_text(json.dumps(meta, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():  # a complete checkpoint of the same step from an earlier attempt
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _write_atomic(root / "latest", final.name + "\n")
+    _apply_retention(root, keep_last)
+
+
+def _attempt(fn) -> str | None:
+    """Run an I/O step; return what went wrong with the disk, or None. Other errors propagate."""
+    try:
+        fn()
+    except OSError as e:
+        return f"{e.strerror or e} ({e.filename or ''})".replace(" ()", "")
+    except (SafetensorError, RuntimeError) as e:  # safetensors' and torch.save's wrappers of an OSError
+        text = str(e)
+        if not any(s in text for s in ("os error", "No space", "Permission denied", "failed writing", "write failed")):
+            raise
+        return text.split("I/O error: ")[-1].strip()
+    return None
+
+
+def _agree(error: str | None, tmp: Path, step: int, root: Path) -> None:
+    """All ranks learn whether any rank failed; if one did, clean up and raise everywhere."""
+    import socket
+
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"rank {dist.get_rank()} on {socket.gethostname()}: {error}")
+    failed = [e for e in errors if e]
+    if not failed:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    latest = root / "latest"
+    previous = latest.read_text().strip() if latest.is_file() else None
+    kept = f"the newest intact checkpoint is still {previous}" if previous else "no earlier checkpoint exists"
+    raise CheckpointError(f"could not write checkpoint {step_dir_name(step)} in {root}: {failed[0]}; free space "
+                          f"or fix permissions, or set train.out_dir elsewhere, then rerun the same command "
+                          f"({kept})")
 
 
 def _apply_retention(root: Path, keep_last: int) -> None:

@@ -200,20 +200,39 @@ def read_meta(ckpt: Path) -> dict:
     return json.loads((ckpt / META).read_text())
 
 
+REPLICATED = ("single", "ddp")  # strategies that save the canonical, topology-free layout
+
+
 def load(strategy, ckpt: Path, world_size: int) -> dict:
-    """Collective: restore the strategy and RNG from `ckpt`; return the trainer state."""
+    """Collective: restore the strategy from `ckpt`, whatever strategy and world size saved it; return
+    the trainer state.
+
+    The strategy's own loader is used when it can read the files (same strategy and world size, or the
+    canonical layout of single/ddp); otherwise the checkpoint is read as full fp32 tensors per parameter
+    (weights, AdamW moments and step, via zerodp.convert) and each rank keeps its own part."""
     meta = read_meta(ckpt)
-    if meta["strategy"] != strategy.name or meta["world_size"] != world_size:
-        raise CheckpointError(
-            f"{ckpt} was saved by strategy {meta['strategy']} on {meta['world_size']} processes; this run is "
-            f"{strategy.name} on {world_size}. Resume with the same strategy and world size, or start fresh "
-            f"with --fresh"
-        )
-    strategy.load(ckpt)
+    same = meta["strategy"] == strategy.name and meta["world_size"] == world_size
+    if same or (meta["strategy"] in REPLICATED and strategy.name in REPLICATED):
+        strategy.load(ckpt)
+    else:
+        from zerodp.convert import open_checkpoint
+        from zerodp.strategies.common import FullState
+
+        with open_checkpoint(ckpt) as source:
+            strategy.load_full(FullState(source, with_optimizer=True))
     rng_file = ckpt / f"rng_rank{dist.get_rank()}.safetensors"
-    if rng_file.exists():
+    if meta["world_size"] == world_size and rng_file.exists():  # RNG streams are per rank
         rng = load_file(rng_file)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return json.loads((ckpt / "trainer.json").read_text())
+
+
+def init_from(strategy, path: str) -> None:
+    """Collective: start from pretrained weights (any format zerodp.convert reads); fresh optimizer."""
+    from zerodp.convert import open_checkpoint
+    from zerodp.strategies.common import FullState
+
+    with open_checkpoint(path) as source:
+        strategy.load_full(FullState(source, with_optimizer=False))

@@ -84,12 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{train,plan,convert,inspect}", parser_class=_Parser)
     sub.required = True
     _add_train(sub)
-    try:
-        from zerodp.planner import cli as plan_cli
-    except ImportError:
-        plan_cli = None
-    if plan_cli is not None:
-        plan_cli.add_parser(sub)
+    from zerodp.convert import cli as convert_cli
+    from zerodp.planner import cli as plan_cli
+
+    plan_cli.add_parser(sub)
+    convert_cli.add_convert_parser(sub)
+    convert_cli.add_inspect_parser(sub)
     return parser
 
 

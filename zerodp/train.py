@@ -121,7 +121,12 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         if found:
             state = checkpoint.load(strategy, Path(found), env.world_size)
             start, tokens_seen = state["step"], state["tokens"]
-            log(env, f"resumed from {found} at step {start}")
+            saved = checkpoint.read_meta(Path(found))
+            log(env, f"resumed from {found} at step {start} (saved by {saved['strategy']} on "
+                     f"{saved['world_size']} process(es))")
+    if start == 0 and cfg.model.init_from:
+        checkpoint.init_from(strategy, cfg.model.init_from)
+        log(env, f"initialised the weights from {cfg.model.init_from}")
     meta = run_metadata(cfg, name, env, model)
 
     metrics_path = out_dir / "metrics.jsonl"

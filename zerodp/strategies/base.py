@@ -19,12 +19,15 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from zerodp.config import Config
+
+if TYPE_CHECKING:
+    from zerodp.strategies.common import FullState
 
 
 @dataclass
@@ -72,3 +75,8 @@ class Strategy(Protocol):
 
     def load(self, ckpt_dir: Path) -> None:
         """Collective: restore model and optimizer state saved by `save` at the same world size."""
+
+    def load_full(self, state: "FullState") -> None:
+        """Start from full fp32 tensors by parameter name (weights; AdamW moments and step when
+        `state.with_optimizer`), as read from any checkpoint by zerodp.convert: what makes checkpoints
+        move between strategies and world sizes. Every rank keeps only its own part."""

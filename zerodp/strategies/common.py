@@ -95,3 +95,55 @@ def load_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for g in optimizer.param_groups:
         g["lr"] = lr
+
+
+class FullState:
+    """Full fp32 tensors by the model's own parameter names, from any checkpoint source
+    (`zerodp.convert.open_checkpoint`): what lets any strategy at any world size start from a
+    checkpoint written by any other. Shapes are checked; tied aliases are followed."""
+
+    def __init__(self, source, with_optimizer: bool):
+        self.source = source
+        self.names = set(source.param_names())
+        tied = source.tied()
+        self.aliases = {**tied, **{stored: alias for alias, stored in tied.items()}}
+        self.with_optimizer = with_optimizer and all(source.has(n, "exp_avg") for n in self.names)
+
+    def _stored(self, name: str) -> str:
+        if name in self.names:
+            return name
+        alias = self.aliases.get(name)
+        if alias in self.names:
+            return alias
+        from zerodp.errors import CheckpointError
+
+        raise CheckpointError(f"{self.source.path} has no parameter {name!r} (it has {len(self.names)}, e.g. "
+                              f"{sorted(self.names)[:3]}); the model config must describe the checkpoint's model")
+
+    def get(self, name: str, kind: str, shape) -> torch.Tensor:
+        t = self.source.get(self._stored(name), kind).float()
+        if tuple(t.shape) != tuple(shape):
+            from zerodp.errors import CheckpointError
+
+            raise CheckpointError(f"{self.source.path}: {name} has shape {tuple(t.shape)} there but {tuple(shape)} "
+                                  f"in this model; set the model section to the checkpoint's dimensions")
+        return t
+
+    def step(self, name: str) -> float:
+        s = self.source.step(self._stored(name))
+        return float(s) if s is not None else 0.0
+
+
+def load_full_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, state: FullState) -> None:
+    """Every rank holds everything (single, ddp): copy weights, and AdamW state if the source has it."""
+    names = param_names(model, optimizer)
+    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    with torch.no_grad():
+        for n, p in zip(names, flat):
+            p.copy_(state.get(n, "param", p.shape))
+            if state.with_optimizer:
+                optimizer.state[p] = {
+                    "step": torch.tensor(state.step(n), dtype=torch.float32),
+                    "exp_avg": state.get(n, "exp_avg", p.shape).to(p.device, p.dtype),
+                    "exp_avg_sq": state.get(n, "exp_avg_sq", p.shape).to(p.device, p.dtype),
+                }

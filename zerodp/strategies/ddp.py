@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.common import (autocast_context, load_replicated, optimizer_state_tensors,
-                                      save_replicated, set_lr, tensor_bytes)
+from zerodp.strategies.common import (FullState, autocast_context, load_full_replicated, load_replicated,
+                                      optimizer_state_tensors, save_replicated, set_lr, tensor_bytes)
 
 
 class DDPStrategy:
@@ -76,3 +76,6 @@ class DDPStrategy:
         extra = load_replicated(self.module, self.optimizer, ckpt_dir)
         if extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
+
+    def load_full(self, state: FullState) -> None:
+        load_full_replicated(self.module, self.optimizer, state)

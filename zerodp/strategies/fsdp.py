@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from zerodp.errors import CheckpointError, UserError
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.common import DTYPES, optimizer_state_tensors, set_lr, tensor_bytes
+from zerodp.strategies.common import DTYPES, FullState, optimizer_state_tensors, set_lr, tensor_bytes
 
 CKPT_FORMAT = 1
 DCP_DIR = "dcp"  # torch.distributed.checkpoint folder inside the checkpoint
@@ -196,6 +196,32 @@ class FSDPStrategy:
                        optim_state_dict=state["optim"], options=StateDictOptions())
         if meta.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(meta["scaler"])
+
+
+    def load_full(self, state: FullState) -> None:
+        """Start from full fp32 tensors (any checkpoint): each rank keeps only its own shard of each.
+        No communication: every rank cuts its chunk as fully_shard does (torch.chunk on dim 0)."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                _copy_shard(p, state.get(name, "param", p.shape))
+                if not state.with_optimizer:
+                    continue
+                moments = {}
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    moments[kind] = torch.zeros_like(p)
+                    _copy_shard(moments[kind], state.get(name, kind, p.shape))
+                moments["step"] = torch.tensor(state.step(name), dtype=torch.float32)
+                self.optimizer.state[p] = moments
+
+
+def _copy_shard(target: DTensor, full: torch.Tensor) -> None:
+    """Copy this rank's piece of `full` into the DTensor `target` (its placements, no collective)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    piece = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    local = target.to_local()
+    assert local.shape == piece.to_local().shape, (local.shape, piece.to_local().shape)
+    local.copy_(piece.to_local())
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ from torch import nn
 
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.common import (autocast_context, load_replicated, optimizer_state_tensors,
-                                      save_replicated, set_lr, tensor_bytes)
+from zerodp.strategies.common import (FullState, autocast_context, load_full_replicated, load_replicated,
+                                      optimizer_state_tensors, save_replicated, set_lr, tensor_bytes)
 
 
 class SingleStrategy:
@@ -61,3 +61,6 @@ class SingleStrategy:
         extra = load_replicated(self.model, self.optimizer, ckpt_dir)
         if extra.get("scaler"):
             self.scaler.load_state_dict(extra["scaler"])
+
+    def load_full(self, state: FullState) -> None:
+        load_full_replicated(self.model, self.optimizer, state)

@@ -1,0 +1,103 @@
+"""`zerodp convert SRC DST` and `zerodp inspect PATH`.
+
+Wired into zerodp/cli.py by `add_convert_parser(sub)` and `add_inspect_parser(sub)`; each sets
+`func(args) -> int`. `python -m zerodp.convert.cli {convert,inspect} ...` runs them standalone with
+the same error handling as `zerodp` (UserError: one line on stderr, exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from zerodp.errors import UserError
+
+TARGETS = ("safetensors", "zerodp")
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+
+
+def add_convert_parser(sub) -> None:
+    p = sub.add_parser(
+        "convert", help="convert a checkpoint (zerodp, DeepSpeed, DCP, safetensors) to safetensors or zerodp",
+        description="Detect what SRC is and write it to DST: consolidated safetensors (for inference, the "
+                    "HF hub) or a zerodp checkpoint in the canonical layout (resume at any world size).")
+    p.add_argument("src", help="checkpoint: zerodp step_ folder or out_dir, DeepSpeed save_dir, DCP folder, "
+                               ".safetensors file or folder")
+    p.add_argument("dst", help="output folder (created; must be new or empty unless --overwrite)")
+    p.add_argument("--to", default="safetensors", help="safetensors (default) | zerodp")
+    p.add_argument("--dtype", default=None, help="safetensors weights dtype: fp32 | bf16 | fp16 (default: as stored)")
+    p.add_argument("--max-shard-size", default=None, help="split safetensors output into shards, e.g. 5GB")
+    p.add_argument("--step", type=int, default=None, help="zerodp target: training step to record")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_convert)
+
+
+def add_inspect_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="say what a checkpoint is and whether it is intact",
+                       description="Print format, strategy, world size, step, parameter count, dtypes, size and "
+                                   "integrity. Exit 0 if intact, 1 if a file is missing or damaged.")
+    p.add_argument("path", help="checkpoint file or folder")
+    p.set_defaults(func=run_inspect)
+
+
+def run_convert(args) -> int:
+    from zerodp.convert import open_checkpoint, parse_size, write_safetensors, write_zerodp
+
+    if args.to not in TARGETS:
+        raise UserError(f"--to {args.to} is not a target; use --to safetensors or --to zerodp")
+    if args.dtype is not None and args.dtype not in DTYPE_NAMES:
+        raise UserError(f"--dtype {args.dtype} is not supported; use fp32, bf16 or fp16")
+    if args.to == "zerodp" and (args.dtype not in (None, "fp32") or args.max_shard_size):
+        raise UserError("--dtype and --max-shard-size apply to --to safetensors; a zerodp checkpoint is always fp32")
+    shard = parse_size(args.max_shard_size) if args.max_shard_size else None
+    if Path(args.dst).resolve() == Path(args.src).resolve():
+        raise UserError(f"DST {args.dst} is SRC; write the conversion to a new folder")
+    t0 = time.time()
+    with open_checkpoint(args.src, verify_deep=True) as src:
+        if args.to == "safetensors":
+            out = write_safetensors(src, args.dst, dtype=args.dtype, max_shard_size=shard,
+                                    progress=not args.no_progress, overwrite=args.overwrite)
+            what = f"{len(out)} file{'s' if len(out) > 1 else ''}"
+        else:
+            write_zerodp(src, args.dst, step=args.step, progress=not args.no_progress, overwrite=args.overwrite)
+            what = "a zerodp checkpoint"
+        n = len(src.param_names())
+        print(f"converted {src.format} checkpoint {src.path} ({n} tensors) to {what} in {args.dst} "
+              f"({time.time() - t0:.1f}s)")
+    return 0
+
+
+def run_inspect(args) -> int:
+    from zerodp.convert.inspect import inspect_checkpoint
+
+    if not Path(args.path).exists():
+        raise UserError(f"{args.path} does not exist; pass a checkpoint folder or .safetensors file")
+    lines, ok = inspect_checkpoint(args.path)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from zerodp.cli import _Parser
+
+    parser = _Parser(prog="zerodp", description="zerodp checkpoint tools")
+    sub = parser.add_subparsers(dest="command", metavar="{convert,inspect}", parser_class=_Parser)
+    sub.required = True
+    add_convert_parser(sub)
+    add_inspect_parser(sub)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"zerodp: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

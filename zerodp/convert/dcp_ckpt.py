@@ -1,0 +1,144 @@
+"""torch.distributed.checkpoint folders (FSDP2, torchtitan, zerodp's fsdp strategy), read without
+a process group, a few keys at a time.
+
+Keys are flattened FQNs. Optimizer state from `get_state_dict` sits under `[optim|optimizer.]state.
+<param fqn>.{exp_avg,exp_avg_sq,step}`; model weights under `model.<fqn>` (when saved as
+{"model": ..., ...}) or at the top level (torchtitan). A model key without optimizer state whose
+tensor equals a parameter's is a tied alias (plain FSDP saves the tie under both names).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, check_kind
+from zerodp.errors import CheckpointError
+
+_OPT = re.compile(r"^(optim\.|optimizer\.|optimizers\.)?state\.(.+)\.(exp_avg|exp_avg_sq|step)$")
+_NOT_MODEL = ("optim.", "optimizer.", "optimizers.", "lr_scheduler.", "lr_schedulers.", "dataloader.",
+              "train_state.", "scheduler.")
+
+
+class DcpSource(CheckpointSource):
+    format = "dcp"
+
+    def __init__(self, path: Path, tied: dict[str, str] | None = None):
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = Path(path)
+        if not (self.path / ".metadata").is_file():
+            raise CheckpointError(f"{self.path} has no .metadata file; not a torch.distributed.checkpoint folder")
+        try:
+            self.md = FileSystemReader(str(self.path)).read_metadata()
+        except Exception as e:  # a truncated .metadata pickle
+            raise CheckpointError(f"{self.path / '.metadata'} is unreadable ({type(e).__name__}: {e})") from None
+        problem = self.verify(deep=False)  # sizes first: nothing is read from a truncated file
+        if problem:
+            raise CheckpointError(problem)
+        tensors = {k: v for k, v in self.md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        self.meta_of = tensors
+        self.opt_keys: dict[tuple[str, str], str] = {}  # (param, exp_avg|exp_avg_sq|step) -> key
+        model_keys = []
+        for k in tensors:
+            m = _OPT.match(k)
+            if m:
+                self.opt_keys[(m.group(2), m.group(3))] = k
+            elif not k.startswith(_NOT_MODEL):
+                model_keys.append(k)
+        opt_params = {p for p, _ in self.opt_keys}
+        # Strip "model." when that is how the keys were nested (matched against optimizer names, or
+        # every key carries it); torchtitan-style flat keys are kept as they are.
+        strip = all(k.startswith("model.") for k in model_keys) and bool(model_keys) and (
+            not opt_params or sum(k[6:] in opt_params for k in model_keys) >= sum(k in opt_params for k in model_keys))
+        self.key_of = {(k[6:] if strip else k): k for k in model_keys}
+        self._tied = dict(tied or {})
+        for alias in list(self._tied):
+            self.key_of.pop(alias, None)
+        if opt_params and not tied:
+            self._find_ties(opt_params)
+        steps = [self.step(n) for n in opt_params]
+        ranks = {m.group(1) for s in self.md.storage_data.values()
+                 if (m := re.match(r"__(\d+)_\d+\.distcp$", s.relative_path))}
+        self.meta = {"tied": self._tied, "world_size": len(ranks) or None, "step": int(max(steps)) if steps and None not in steps else None,
+                     "dtype": ",".join(sorted({str(v.properties.dtype).replace("torch.", "") for v in tensors.values()}))}
+
+    def _find_ties(self, opt_params: set[str]) -> None:
+        by_shape: dict[tuple, list[str]] = {}
+        for n in self.key_of:
+            if n in opt_params:
+                by_shape.setdefault((tuple(self.info(n).shape), self.info(n).dtype), []).append(n)
+        for n in [n for n in self.key_of if n not in opt_params]:
+            for cand in by_shape.get((tuple(self.info(n).shape), self.info(n).dtype), []):
+                if torch.equal(self._load(self.key_of[n]), self._load(self.key_of[cand])):
+                    self._tied[n] = cand
+                    del self.key_of[n]
+                    break
+
+    def tied(self) -> dict[str, str]:
+        return dict(self._tied)
+
+    def _load(self, key: str) -> torch.Tensor:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        m = self.meta_of[key]
+        t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        try:
+            with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({key: t}, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+        except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps file errors
+            problem = self.verify(deep=False) or f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+            raise CheckpointError(f"{self.path}: cannot read {key}: {problem}") from None
+        return t
+
+    def param_names(self) -> list[str]:
+        return list(self.key_of)
+
+    def info(self, name: str) -> TensorInfo:
+        m = self.meta_of[self.key_of[name]]
+        return TensorInfo(tuple(m.size), m.properties.dtype)
+
+    def kinds(self) -> tuple[str, ...]:
+        return ("param",) + MOMENTS if self.opt_keys else ("param",)
+
+    def has(self, name: str, kind: str) -> bool:
+        return kind == "param" or (name, kind) in self.opt_keys
+
+    def get(self, name: str, kind: str = "param") -> torch.Tensor:
+        check_kind(kind)
+        if kind == "param":
+            return self._load(self.key_of[name])
+        if (name, kind) not in self.opt_keys:
+            raise KeyError(f"{self.path} has no {kind} for {name}")
+        return self._load(self.opt_keys[(name, kind)]).float()
+
+    def step(self, name: str | None = None) -> float | None:
+        if name is None:
+            return None if self.meta.get("step") is None else float(self.meta["step"])
+        key = self.opt_keys.get((name, "step"))
+        return None if key is None else float(self._load(key))
+
+    def files(self) -> list[Path]:
+        rel = sorted({s.relative_path for s in self.md.storage_data.values()})
+        return [self.path / ".metadata"] + [self.path / r for r in rel]
+
+    def verify(self, deep: bool = True) -> str | None:
+        """Each data file present and at least as long as the byte ranges .metadata points into.
+        (DCP records no checksums; bytes flipped inside a tensor's range surface only as a load error.)"""
+        need: dict[str, int] = {}
+        for s in self.md.storage_data.values():
+            need[s.relative_path] = max(need.get(s.relative_path, 0), s.offset + s.length)
+        for rel, n in sorted(need.items()):
+            p = self.path / rel
+            if not p.is_file():
+                return f"{p} is missing"
+            if p.stat().st_size < n:
+                return f"{p} has {p.stat().st_size} bytes but .metadata points up to byte {n} (truncated)"
+        return None

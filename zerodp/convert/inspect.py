@@ -1,0 +1,47 @@
+"""`zerodp inspect`: what a checkpoint is, and whether every file is present and intact."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from zerodp.convert import open_checkpoint
+from zerodp.errors import CheckpointError
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return ""
+
+
+def inspect_checkpoint(path) -> tuple[list[str], bool]:
+    """The report's lines and whether the checkpoint is intact (opening failures become a report too)."""
+    try:
+        src = open_checkpoint(path)
+    except CheckpointError as e:
+        return [f"path:        {path}", f"integrity:   DAMAGED: {e}"], False
+    with src:
+        names = src.param_names()
+        infos = [src.info(n) for n in names]
+        numel = sum(i.numel for i in infos)
+        dtypes = Counter(str(i.dtype).replace("torch.", "") for i in infos)
+        files = src.files()
+        size = sum(f.stat().st_size for f in files if f.is_file())
+        problem = src.verify(deep=True)
+        kind = src.format + (f" ({src.layout} layout)" if hasattr(src, "layout") else "")
+        lines = [
+            f"path:        {src.path}",
+            f"format:      {kind}",
+            f"strategy:    {src.meta.get('strategy', '-')}",
+            f"world size:  {src.meta.get('world_size', '-')}",
+            f"step:        {src.meta.get('step') if src.meta.get('step') is not None else '-'}",
+            f"parameters:  {numel:,} in {len(names)} tensors",
+            f"dtypes:      {', '.join(f'{d} ({c})' for d, c in sorted(dtypes.items()))}",
+            f"tied:        {', '.join(f'{a} -> {s}' for a, s in src.tied().items()) or '-'}",
+            f"optimizer:   {'exp_avg, exp_avg_sq, step' if 'exp_avg' in src.kinds() else 'none (weights only)'}",
+            f"files:       {len(files)}, {_human(size)}",
+            f"integrity:   {'ok: every file present and intact' if problem is None else 'DAMAGED: ' + problem}",
+        ]
+    return lines, problem is None

@@ -1,0 +1,201 @@
+"""The canonical, streaming view of a checkpoint that every reader provides.
+
+A source names its distinct parameters (a tied alias is listed in `tied()`, never twice), describes
+each one without reading it (`info`), and hands out one tensor at a time (`get`), so converting a
+model never holds more than a tensor or two in memory. Kinds: "param" (the weight, as stored: fp32
+master weights for DeepSpeed, DCP and zerodp; the file's dtype for safetensors), "exp_avg" and
+"exp_avg_sq" (AdamW moments, fp32), present where the source has optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from zerodp.errors import CheckpointError
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class CheckpointSource:
+    """Base of every reader. Subclasses fill `format`, `path`, `meta` and the methods marked so."""
+
+    format: str = "?"
+    path: Path
+    meta: dict  # JSON-able: strategy, world_size, step, ... as far as the source records them
+
+    # -- to implement -------------------------------------------------------------------------------
+    def param_names(self) -> list[str]:
+        raise NotImplementedError
+
+    def info(self, name: str) -> TensorInfo:
+        raise NotImplementedError
+
+    def get(self, name: str, kind: str = "param") -> torch.Tensor:
+        """The full tensor `kind` of parameter `name`; KeyError if the source has no such tensor."""
+        raise NotImplementedError
+
+    def files(self) -> list[Path]:
+        raise NotImplementedError
+
+    def verify(self, deep: bool = True) -> str | None:
+        """None if every file is present and intact, else the reason (naming the file)."""
+        raise NotImplementedError
+
+    # -- shared behaviour ---------------------------------------------------------------------------
+    def tied(self) -> dict[str, str]:
+        """{alias: source name} for weights stored once and used under two names."""
+        return dict(self.meta.get("tied") or {})
+
+    def kinds(self) -> tuple[str, ...]:
+        """Which kinds this source holds (always "param"; the moments where it has optimizer state)."""
+        return ("param",)
+
+    def has(self, name: str, kind: str) -> bool:
+        return kind in self.kinds()
+
+    def step(self, name: str | None = None) -> float | None:
+        """AdamW's step count of `name` (or the training step when name is None); None if unknown."""
+        s = self.meta.get("step")
+        return None if s is None else float(s)
+
+    def total_bytes(self) -> int:
+        return sum(self.info(n).nbytes for n in self.param_names())
+
+    def iter_tensors(self, kinds: tuple[str, ...] = ("param",)) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(name, kind, tensor) one at a time, in parameter order; kinds the source lacks are skipped."""
+        for name in self.param_names():
+            for kind in kinds:
+                if self.has(name, kind):
+                    yield name, kind, self.get(name, kind)
+
+    def describe(self) -> dict:
+        """A JSON-able summary kept in converted files' metadata."""
+        keep = ("strategy", "world_size", "step", "zero_stage", "ds_version", "dtype")
+        return {"format": self.format, "path": str(self.path), **{k: self.meta[k] for k in keep if k in self.meta}}
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+# ---- safetensors files, read and written without mmap (so RSS holds one tensor, not the file) ----
+
+ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+class SafetensorsFile:
+    """One .safetensors file: header parsed and checked against the file size at open."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path} is missing")
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{self.path} is truncated ({size} bytes; not even a safetensors header)")
+            n = int.from_bytes(head, "little")
+            if n > min(_MAX_HEADER, size - 8):
+                raise CheckpointError(f"{self.path} is truncated or not a safetensors file (header of {n} bytes "
+                                      f"in a file of {size})")
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{self.path} has a corrupted safetensors header ({e})") from None
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        end = 0
+        for name, e in header.items():
+            if e.get("dtype") not in ST_DTYPES:
+                raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {e.get('dtype')}")
+            start, stop = e["data_offsets"]
+            info = TensorInfo(tuple(e["shape"]), ST_DTYPES[e["dtype"]])
+            if stop - start != info.nbytes:
+                raise CheckpointError(f"{self.path}: tensor {name} has {stop - start} bytes for shape "
+                                      f"{list(info.shape)} {e['dtype']}; the header is corrupted")
+            self.entries[name] = (info.dtype, info.shape, 8 + n + start, 8 + n + stop)
+            end = max(end, stop)
+        if size != 8 + n + end:
+            raise CheckpointError(f"{self.path} has {size} bytes but its header describes {8 + n + end} "
+                                  f"(truncated or overwritten); re-copy or re-create it")
+
+    def info(self, name: str) -> TensorInfo:
+        dtype, shape, _, _ = self.entries[name]
+        return TensorInfo(shape, dtype)
+
+    def read(self, name: str) -> torch.Tensor:
+        dtype, shape, start, stop = self.entries[name]
+        buf = torch.empty(stop - start, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            got = f.readinto(memoryview(buf.numpy()))
+        if got != stop - start:
+            raise CheckpointError(f"{self.path} ended early while reading {name} (truncated)")
+        return buf.view(dtype).reshape(shape)
+
+
+def write_safetensors_file(path: Path, names: list[str], infos: dict[str, TensorInfo], fetch, metadata: dict,
+                           on_bytes=None) -> None:
+    """Write a safetensors file tensor by tensor: the header first (shapes are known), then each
+    tensor from `fetch(name)` (already in infos[name].dtype). Written to `path.tmp`, renamed at the end."""
+    header, offset = {}, 0
+    for n in names:
+        i = infos[n]
+        header[n] = {"dtype": ST_NAMES[i.dtype], "shape": list(i.shape), "data_offsets": [offset, offset + i.nbytes]}
+        offset += i.nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for n in names:
+            t = fetch(n)
+            i = infos[n]
+            assert t.dtype == i.dtype and tuple(t.shape) == i.shape, (n, t.dtype, t.shape, i)
+            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            if on_bytes:
+                on_bytes(i.nbytes)
+    tmp.replace(path)

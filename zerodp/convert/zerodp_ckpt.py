@@ -1,0 +1,124 @@
+"""zerodp's own checkpoint folders (`step_XXXXXXXX/` with meta.json), of any strategy.
+
+The meta.json manifest (size and sha256 of every file) is checked before anything is read; the
+tensors then come from the strategy's own files: the canonical safetensors layout (single, ddp),
+DeepSpeed's files (zero1/2/3) or a DCP folder (fsdp), each found by what is on disk.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from zerodp.convert.source import MOMENTS, CheckpointSource, SafetensorsFile, TensorInfo, check_kind
+from zerodp.errors import CheckpointError
+
+META = "meta.json"
+
+
+def resolve_zerodp_root(path: Path) -> Path | None:
+    """A step folder for `path` if it is one, or an out_dir / checkpoints root (its `latest`)."""
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        latest = root / "latest"
+        if latest.is_file():
+            target = root / latest.read_text().strip()
+            if (target / META).is_file():
+                return target
+            if target.name.startswith("step_"):
+                raise CheckpointError(f"{latest} points to {target.name}, which has no {META} (missing or "
+                                      f"interrupted); pass an intact step_ folder explicitly")
+        steps = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / META).is_file())
+        if steps and root.name == "checkpoints":
+            return steps[-1]
+    return None
+
+
+class ZerodpSource(CheckpointSource):
+    format = "zerodp"
+
+    def __init__(self, path: Path, verify_deep: bool = False):
+        self.path = Path(path)
+        try:
+            self.meta = json.loads((self.path / META).read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{self.path / META} is not valid JSON ({e})") from None
+        problem = self.verify(deep=verify_deep)  # never read a file the manifest does not vouch for
+        if problem:
+            raise CheckpointError(problem)
+        self.inner: CheckpointSource | None = None
+        self.model = self.optim = None
+        if (self.path / "model.safetensors").is_file():
+            self.layout = "safetensors"
+            self.model = SafetensorsFile(self.path / "model.safetensors")
+            optim = self.path / "optim.safetensors"
+            self.optim = SafetensorsFile(optim) if optim.is_file() else None
+            oj = self.path / "optim.json"
+            self.optim_json = json.loads(oj.read_text()) if oj.is_file() else {"step": {}, "extra": {}}
+            self._names = list(self.model.entries)
+        else:
+            from zerodp.convert.dcp_ckpt import DcpSource
+            from zerodp.convert.deepspeed_ckpt import DeepSpeedSource, find_deepspeed_dir
+
+            if find_deepspeed_dir(self.path) is not None:
+                self.layout = "deepspeed"
+                self.inner = DeepSpeedSource(self.path)
+            else:
+                dcp_dirs = sorted(p.parent for p in self.path.rglob(".metadata"))
+                if len(dcp_dirs) != 1:
+                    raise CheckpointError(f"{self.path}: found neither model.safetensors, DeepSpeed files nor one "
+                                          f"torch.distributed.checkpoint folder; the checkpoint is incomplete")
+                self.layout = "dcp"
+                self.inner = DcpSource(dcp_dirs[0], tied=self.meta.get("tied"))
+            self._names = self.inner.param_names()
+        trainer = self.path / "trainer.json"
+        self.trainer = json.loads(trainer.read_text()) if trainer.is_file() else {}
+
+    def param_names(self) -> list[str]:
+        return list(self._names)
+
+    def info(self, name: str) -> TensorInfo:
+        return self.model.info(name) if self.inner is None else self.inner.info(name)
+
+    def kinds(self) -> tuple[str, ...]:
+        if self.inner is not None:
+            return self.inner.kinds()
+        return ("param",) + MOMENTS if self.optim is not None and self.optim.entries else ("param",)
+
+    def has(self, name: str, kind: str) -> bool:
+        if self.inner is not None:
+            return self.inner.has(name, kind)
+        return kind == "param" or (self.optim is not None and f"{name}/{kind}" in self.optim.entries)
+
+    def get(self, name: str, kind: str = "param") -> torch.Tensor:
+        check_kind(kind)
+        if self.inner is not None:
+            return self.inner.get(name, kind)
+        if kind == "param":
+            return self.model.read(name)
+        if not self.has(name, kind):
+            raise KeyError(f"{self.path} has no {kind} for {name}")
+        return self.optim.read(f"{name}/{kind}")
+
+    def step(self, name: str | None = None) -> float | None:
+        if name is None:
+            return super().step()
+        if self.inner is not None:
+            return self.inner.step(name)
+        s = self.optim_json.get("step", {}).get(name)
+        return None if s is None else float(s)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "layout": getattr(self, "layout", "?")}
+
+    def files(self) -> list[Path]:
+        return [self.path / META] + [self.path / rel for rel in self.meta.get("files", {})]
+
+    def verify(self, deep: bool = True) -> str | None:
+        from zerodp.checkpoint import verify
+
+        return verify(self.path, deep=deep)

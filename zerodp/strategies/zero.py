@@ -1,0 +1,315 @@
+"""DeepSpeed ZeRO stage 1, 2 or 3 through the real DeepSpeed engine (`stage` is the only difference).
+
+ZeRO-1 shards the optimizer state (fp32 master weights and AdamW moments) over the data-parallel
+ranks, ZeRO-2 also the gradients, ZeRO-3 also the parameters. The engine gets the same AdamW param
+groups and hyper-parameters as every other strategy, as a client optimizer; zerodp's loop keeps the
+learning-rate schedule (no DeepSpeed scheduler) and DeepSpeed clips, scales the loss and reduces.
+
+The DeepSpeed config is generated from zerodp's own config by the pure `deepspeed_config`; extra keys
+under `strategy.deepspeed` deep-merge over it, and a key that contradicts a zerodp setting is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from zerodp.config import Config
+from zerodp.errors import UserError
+from zerodp.optim import adamw_kwargs, param_groups
+from zerodp.strategies.base import RunContext
+from zerodp.strategies.common import FullState, optimizer_state_tensors, set_lr, tensor_bytes
+
+TAG = "deepspeed"
+"""Checkpoint sub-folder: DeepSpeed writes `<ckpt_dir>/deepspeed/*.pt` (no `latest` file)."""
+
+# Keys zerodp sets from its own config: (path in the DeepSpeed config, the zerodp setting to change instead).
+OWNED = {
+    ("train_micro_batch_size_per_gpu",): "train.micro_batch_size",
+    ("gradient_accumulation_steps",): "train.global_batch_size (accumulation = global / (micro x world))",
+    ("train_batch_size",): "train.global_batch_size",
+    ("zero_optimization", "stage"): "strategy.name (zero1 | zero2 | zero3)",
+    ("bf16", "enabled"): "train.precision",
+    ("bfloat16", "enabled"): "train.precision",
+    ("fp16", "enabled"): "train.precision",
+    ("gradient_clipping",): "optim.grad_clip",
+    ("optimizer",): "optim.* (zerodp builds AdamW itself)",
+    ("scheduler",): "optim.lr / warmup_steps / decay_steps (zerodp sets the lr every step)",
+}
+
+
+def _bucket_elements(bucket_size_mb: int, precision: str) -> int:
+    """DeepSpeed's bucket sizes count elements; zerodp's count MiB (like DDP's bucket_cap_mb)."""
+    return bucket_size_mb * 2**20 // (4 if precision == "fp32" else 2)
+
+
+def generated_config(cfg: Config, stage: int, grad_accum_steps: int, world_size: int) -> dict:
+    """The DeepSpeed config implied by zerodp's config alone (before `strategy.deepspeed` overrides)."""
+    s, t = cfg.strategy, cfg.train
+    if s.offload_params and stage != 3:
+        raise UserError(
+            f"strategy.offload_params=true needs parameter sharding, which zero{stage} does not do; "
+            "use strategy.name=zero3 (or fsdp), or set strategy.offload_params=false")
+    bucket = _bucket_elements(s.bucket_size_mb, t.precision)
+    zero: dict = {
+        "stage": stage,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "overlap_comm": s.overlap_comm,
+        "contiguous_gradients": s.contiguous_gradients,
+    }
+    if s.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if s.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    fp16: dict = {"enabled": t.precision == "fp16"}
+    if t.precision == "fp16":
+        # Dynamic loss scaling with torch.amp.GradScaler's defaults: start at 2**16, halve on overflow,
+        # double after 2000 clean steps.
+        fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=2000, hysteresis=1,
+                    min_loss_scale=1)
+    return {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": t.micro_batch_size * grad_accum_steps * world_size,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": fp16,
+        "zero_optimization": zero,
+        # zerodp hands DeepSpeed torch's AdamW (or DeepSpeedCPUAdam when offloading, see `_optimizer`).
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def deepspeed_config(cfg: Config, stage: int, grad_accum_steps: int, world_size: int) -> dict:
+    """The generated config with `cfg.strategy.deepspeed` deep-merged over it.
+
+    Raises UserError when a user key contradicts one zerodp sets itself (see OWNED), naming the key,
+    both values and the zerodp setting to change instead."""
+    generated = generated_config(cfg, stage, grad_accum_steps, world_size)
+    extra = cfg.strategy.deepspeed or {}
+    for path, instead in OWNED.items():
+        found, user = _lookup(extra, path)
+        if not found:
+            continue
+        key = ".".join(path)
+        _, ours = _lookup(generated, path)
+        if path[0] in ("optimizer", "scheduler"):
+            raise UserError(f"strategy.deepspeed.{key} is not supported: zerodp owns the {key}; "
+                            f"remove the key and set {instead}")
+        if path[0] == "bfloat16":
+            ours = generated["bf16"]["enabled"]
+        if user != ours:
+            raise UserError(f"strategy.deepspeed.{key}={user!r} contradicts zerodp's {key}={ours!r}; "
+                            f"remove the key and set {instead}")
+    if "offload_param" in extra.get("zero_optimization", {}) and stage != 3:
+        raise UserError(f"strategy.deepspeed.zero_optimization.offload_param needs zero3, not zero{stage}; "
+                        "use strategy.name=zero3 or remove the key")
+    return _merge(generated, extra)
+
+
+def _lookup(d: dict, path: tuple) -> tuple[bool, object]:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return False, None
+        d = d[k]
+    return True, d
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+class ZeroStrategy:
+    def __init__(self, stage: int):
+        assert stage in (1, 2, 3), stage
+        self.stage = stage
+        self.name = f"zero{stage}"
+
+    def setup(self, model: nn.Module, ctx: RunContext) -> None:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines drown the loop's output
+        self.ctx = ctx
+        config = deepspeed_config(ctx.cfg, self.stage, ctx.grad_accum_steps, ctx.world_size)
+        accel = get_accelerator()
+        if ctx.cfg.train.precision == "fp16" and not accel.is_fp16_supported():
+            raise UserError(f"train.precision=fp16: DeepSpeed's {accel.device_name()} accelerator has no fp16 "
+                            f"support; use train.precision=bf16 (or fp32) here, or run {self.name} on GPUs")
+        # DeepSpeed asserts the launcher's variables exist; a plain one-process run has none.
+        for var, value in (("LOCAL_RANK", ctx.local_rank), ("RANK", ctx.rank), ("WORLD_SIZE", ctx.world_size)):
+            os.environ.setdefault(var, str(value))
+        self.optimizer = self._optimizer(model, ctx.cfg)
+        self.model, _, _, _ = deepspeed.initialize(model=model.to(ctx.device), optimizer=self.optimizer,
+                                                   config=config)
+        self.module = self.model.module
+
+    def _optimizer(self, model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+        """AdamW over zerodp's param groups; DeepSpeedCPUAdam (the same AdamW, vectorised on the CPU)
+        when the optimizer state lives in CPU memory, where torch's AdamW would be several times slower."""
+        groups, kwargs = param_groups(model, cfg), adamw_kwargs(cfg)
+        if cfg.strategy.offload_optimizer:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+        return torch.optim.AdamW(groups, **kwargs)
+
+    def micro_step(self, is_last: bool):
+        # DeepSpeed reduces (ZeRO-1) and steps only at the boundary; the loop calls step() once after.
+        self.model.set_gradient_accumulation_boundary(is_last)
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        # The engine holds 16-bit parameters itself in bf16/fp16: the forward already runs in 16 bits.
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.model.backward(loss)  # divides by gradient_accumulation_steps and multiplies by the loss scale
+
+    def step(self, lr: float) -> float:
+        set_lr(self.optimizer, lr)
+        self.model.step()
+        norm = self.model.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of the distinct storages this rank holds, found by walking the module's parameters
+        (their data, ZeRO-3 `ds_tensor` partitions and grads), every tensor attribute of DeepSpeed's
+        ZeRO optimizer (named by `_kind`) and the AdamW state. A storage is counted once, under the
+        first of params, optim, grads, buffers that reaches it; tensors offloaded to CPU memory count
+        too (see docs/strategies.md for what each key holds per stage)."""
+        found: dict[str, list] = {"params": [], "optim": [], "grads": [], "buffers": []}
+        for p in self.module.parameters():
+            found["params"] += [p.data, getattr(p, "ds_tensor", None)]
+            found["grads"].append(p.grad)
+        for attr, value in vars(self.model.optimizer).items():
+            for t in _tensors(value):
+                found[_kind(attr)].append(t)
+                if t.is_leaf and t.grad is not None:  # the fp32 partitions' grads during step()
+                    found["grads"].append(t.grad)
+        found["optim"] += list(optimizer_state_tensors(self.optimizer))
+        held, seen, before = {}, [], 0
+        for key in ("params", "optim", "grads", "buffers"):
+            seen += found[key]
+            total = tensor_bytes(seen)
+            held[key], before = total - before, total
+        return held
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        # Collective under ZeRO-3: every rank gathers every parameter in the same order.
+        return {n: safe_get_full_fp32_param(p).detach().float().clone() for n, p in self.module.named_parameters()}
+
+    def save(self, ckpt_dir: Path) -> None:
+        # save_latest=False: zerodp's own `latest` (one level up) is the only pointer to trust.
+        self.model.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
+
+    def load(self, ckpt_dir: Path) -> None:
+        path, _ = self.model.load_checkpoint(str(ckpt_dir), tag=TAG, load_optimizer_states=True,
+                                             load_lr_scheduler_states=False)
+        if path is None:
+            raise UserError(f"{ckpt_dir / TAG} holds no DeepSpeed checkpoint")
+
+
+    def load_full(self, state: FullState) -> None:
+        """Start from full fp32 tensors (any checkpoint, any world size): set each parameter's working
+        copy, this rank's fp32 master fragment and, if the source has them, its AdamW moments.
+        Collective-free but must run on every rank in the same order."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        zero_opt = self.model.optimizer
+        if state.with_optimizer:
+            self._create_optimizer_state(state)
+        rank = torch.distributed.get_rank()
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                shape = p.ds_shape if self.stage == 3 else p.shape
+                full = state.get(name, "param", shape)
+                if self.stage == 3:  # p holds nothing; its partition is p.ds_tensor
+                    _copy_partition(p.ds_tensor, full, rank)
+                    _copy_partition(zero_opt._get_fp32_opt_state_partition(p, False)[0], full, rank)
+                else:  # replicated 16-bit (or fp32) working copy + this rank's fp32 master fragment
+                    p.data.copy_(full.to(p.dtype))
+                    safe_set_full_fp32_param(p, full)
+                if not state.with_optimizer:
+                    continue
+                for kind in ("exp_avg", "exp_avg_sq"):
+                    value = state.get(name, kind, shape)
+                    if self.stage == 3:
+                        _copy_partition(zero_opt._get_fp32_opt_state_partition(p, False, kind)[0], value, rank)
+                    else:
+                        safe_set_full_optimizer_state(p, value, kind)
+
+    def _create_optimizer_state(self, state: FullState) -> None:
+        """AdamW creates its state at the first step; create it now over DeepSpeed's flat fp32
+        partitions so moments can be written into it, with the step count of the source."""
+        zero_opt = self.model.optimizer
+        flats = zero_opt.fp32_partitioned_groups_flat if self.stage == 3 else zero_opt.single_partition_of_fp32_groups
+        step = max(state.step(n) for n in state.names)
+        for flat in flats:
+            if flat in self.optimizer.state and self.optimizer.state[flat]:
+                self.optimizer.state[flat]["step"] = _adam_step(self.optimizer, step)
+                continue
+            self.optimizer.state[flat] = {"step": _adam_step(self.optimizer, step),
+                                          "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+        if self.stage != 3:  # DeepSpeed links parameter fragments to optimizer state once; relink
+            zero_opt._hp_optimizer_states_linked = False
+            zero_opt._lazy_init_hp_params_optimizer_state()
+
+
+def _adam_step(optimizer: torch.optim.Optimizer, step: float):
+    """torch's AdamW keeps the step as a float tensor, DeepSpeedCPUAdam as an int."""
+    return torch.tensor(step, dtype=torch.float32) if isinstance(optimizer, torch.optim.AdamW) else int(step)
+
+
+def _copy_partition(target: torch.Tensor, full: torch.Tensor, rank: int) -> None:
+    """ZeRO-3 partitions each parameter in equal chunks of ceil(numel / world), the last one padded:
+    copy this rank's chunk of `full` into `target` (padding zeroed)."""
+    size = target.numel()
+    flat = full.flatten()
+    start = min(rank * size, flat.numel())
+    piece = flat[start : start + size]
+    target.zero_()
+    target.view(-1)[: piece.numel()].copy_(piece.to(target.dtype))
+
+
+def _kind(attr: str) -> str:
+    """Which state_bytes key a ZeRO optimizer attribute belongs to, by DeepSpeed's naming:
+    *grad* / ipg buckets -> grads, *fp32* (master partitions) -> optim, bit16/fp16/lp/param -> params."""
+    a = attr.lower()
+    if ("grad" in a or "ipg" in a) and "norm" not in a:
+        return "grads"
+    if "fp32" in a:
+        return "optim"
+    if any(k in a for k in ("bit16", "fp16", "lp_param", "param")):
+        return "params"
+    return "buffers"
+
+
+def _tensors(value, depth: int = 0):
+    """Tensors inside `value` (nested lists, tuples, dicts), a few levels deep."""
+    if torch.is_tensor(value):
+        yield value
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v, depth + 1)

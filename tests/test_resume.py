@@ -62,14 +62,6 @@ def test_incomplete_and_corrupted_checkpoints_are_skipped(tiny, tmp_path, capsys
     assert "truncated" in checkpoint.verify(root / "step_00000004")
 
 
-def test_resume_under_another_strategy_is_refused_with_advice(tiny, tmp_path):
-    runs = [{"overrides": tiny + ["strategy.name=single", "train.max_steps=2", f"train.out_dir={tmp_path}"]},
-            {"overrides": tiny + ["strategy.name=ddp", "train.max_steps=4", f"train.out_dir={tmp_path}"],
-             "fresh": False}]
-    with pytest.raises(RuntimeError, match="saved by strategy single on 1 processes; this run is ddp on 1"):
-        run_distributed("tests.workers:train_runs", 1, {"runs": runs})
-
-
 def test_disk_full_is_a_clear_error_and_keeps_the_previous_checkpoint(tiny, tmp_path):
     """A real full disk: a 1 MiB tmpfs that holds one checkpoint of a model too big for two."""
     import subprocess

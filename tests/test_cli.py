@@ -49,6 +49,12 @@ def test_help_lists_subcommands():
     (None, ["frobnicate"], r"^zerodp: error: argument .*invalid choice: 'frobnicate'"),
     (None, ["train", "{cfg}", "--nope"], r"unrecognized arguments: --nope"),
     (None, ["train", "{cfg}", "data.source=/nonexistent/corpus"], r"data.source '/nonexistent/corpus' not found"),
+    (None, ["plan", "--model", "gpt5"], r"unknown model 'gpt5'; did you mean 'gpt2'\? known models: gpt2, "),
+    (None, ["plan", "--model", "gpt2", "--gpus", "0"], r"--gpus 0: GPUs per node must be at least 1"),
+    (None, ["plan", "--model", "gpt2", "--hbm", "lots"], r"--hbm 'lots' is not a size; write a number and a unit"),
+    (None, ["convert", "/nope", "{tmp}/out"], r"/nope does not exist; pass a checkpoint folder or .safetensors file"),
+    (None, ["convert", "{cfg}", "{tmp}/out"], r"cfg.yaml is not a format zerodp reads"),
+    (None, ["inspect", "{tmp}/afile"], r"afile is not a format zerodp reads"),
 ])
 def test_bad_input_is_one_line_exit_2(tmp_path, setup, args, pattern):
     cfg = tmp_path / "cfg.yaml"

@@ -73,8 +73,9 @@ def run_convert(args) -> int:
 def run_inspect(args) -> int:
     from zerodp.convert.inspect import inspect_checkpoint
 
-    if not Path(args.path).exists():
-        raise UserError(f"{args.path} does not exist; pass a checkpoint folder or .safetensors file")
+    from zerodp.convert import detect_format
+
+    detect_format(args.path)  # not a checkpoint at all: bad input (exit 2), not a damaged one (exit 1)
     lines, ok = inspect_checkpoint(args.path)
     print("\n".join(lines))
     return 0 if ok else 1

@@ -11,7 +11,9 @@ group, no GPU, and neither torch nor deepspeed is imported, so `zerodp plan` ans
 
 from zerodp.planner.choose import Plan, choose
 from zerodp.planner.hardware import GPUS, Cluster, GpuSpec, gpu_preset
-from zerodp.planner.memory import Layout, MemoryEstimate, Workload, activation_bytes, estimate, model_states
+from zerodp.planner.memory import (
+    Layout, MemoryEstimate, Workload, activation_bytes, engine_states, estimate, model_states,
+)
 from zerodp.planner.models import (
     PRESETS, ModelSpec, gpt_param_count, preset, spec_from_hf_config, spec_from_model_config, spec_from_params,
 )
@@ -19,6 +21,6 @@ from zerodp.planner.training import plan_for_training
 
 __all__ = [
     "Plan", "choose", "GPUS", "Cluster", "GpuSpec", "gpu_preset", "Layout", "MemoryEstimate", "Workload",
-    "activation_bytes", "estimate", "model_states", "PRESETS", "ModelSpec", "gpt_param_count", "preset",
-    "spec_from_hf_config", "spec_from_model_config", "spec_from_params", "plan_for_training",
+    "activation_bytes", "engine_states", "estimate", "model_states", "PRESETS", "ModelSpec", "gpt_param_count",
+    "preset", "spec_from_hf_config", "spec_from_model_config", "spec_from_params", "plan_for_training",
 ]

@@ -23,7 +23,7 @@ VARIANTS = (
     ("ddp", False, False),
     ("zero1", False, False),
     ("zero2", False, False),
-    ("fsdp", False, False),   # before zero3: same memory, torch-native, no DeepSpeed needed
+    ("fsdp", False, False),   # before zero3: same memory (without accumulation), torch-native
     ("zero3", False, False),
     ("zero2", True, False),
     ("zero3", True, False),
@@ -156,7 +156,8 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate]) -> str:
                 f"more than --cpu-ram allows.")
     if not r.fits:
         big = max((r.model_states_bytes, "model states"), (r.activations_bytes, "activations"),
-                  (r.gathered_bytes, "gathered layers"))
+                  (r.gathered_bytes, "gathered layers"),
+                  (r.unsharded_grads_bytes, "unsharded gradients kept while accumulating"))
         return (f"does not fit: needs {gb(r.total_bytes)} per GPU ({big[1]} {gb(big[0])}), "
                 f"over the {gb(r.usable_bytes)} usable.")
     fits = f"fits ({gb(r.total_bytes)})"
@@ -176,16 +177,22 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate]) -> str:
     return f"{fits}, but {chosen.name} comes first in the order: it shards or offloads less."
 
 
+def _sharded(workload: Workload) -> str:
+    """The strategy whose memory shrinks most with more GPUs: fsdp, or zero3 when accumulating (FSDP
+    keeps the unsharded gradients between micro batches, a 4P that no number of GPUs divides)."""
+    return "fsdp" if workload.grad_accum_steps == 1 else "zero3"
+
+
 def _min_gpus(model: ModelSpec, cluster: Cluster, workload: Workload, ac: bool) -> Optional[Cluster]:
-    """The smallest cluster with more GPUs on which fsdp fits: up to a full node (8 GPUs unless
-    --gpus says more) on one machine, then whole nodes. None when no size does."""
+    """The smallest cluster with more GPUs on which `_sharded(workload)` fits: up to a full node
+    (8 GPUs unless --gpus says more) on one machine, then whole nodes. None when no size does."""
     node = max(cluster.gpus_per_node, 8) if cluster.nodes == 1 else cluster.gpus_per_node
 
     def at(n_nodes: int, per_node: int) -> Cluster:
         return dataclasses.replace(cluster, gpus_per_node=per_node, nodes=n_nodes)
 
     def fits(c: Cluster) -> bool:
-        return estimate(model, Layout("fsdp", c, workload, activation_checkpointing=ac)).fits
+        return estimate(model, Layout(_sharded(workload), c, workload, activation_checkpointing=ac)).fits
 
     for n in range(cluster.world_size + 1, node + 1):  # grow inside one node first
         if fits(at(1, n)):
@@ -207,12 +214,12 @@ def _gpus(c: Cluster) -> str:
 
 def _suggest(model: ModelSpec, cluster: Cluster, workload: Workload, requested: Optional[bool],
              without_offload: bool = False) -> str:
-    """What would fit: checkpointing, more GPUs (for fsdp), or a smaller micro batch."""
-    ac = requested is not False
+    """What would fit: checkpointing, more GPUs (for fsdp or zero3), or a smaller micro batch."""
+    ac, sharded = requested is not False, _sharded(workload)
     ckpt = " with activation checkpointing on" if ac and requested is None else ""
     if without_offload:
         c = _min_gpus(model, cluster, workload, ac)
-        return (f"without offloading, fsdp fits on {_gpus(c)}{ckpt}." if c else
+        return (f"without offloading, {sharded} fits on {_gpus(c)}{ckpt}." if c else
                 "without offloading, no number of GPUs fits this micro batch and sequence length.")
     if requested is False:
         for layout in _layouts(cluster, workload):
@@ -222,9 +229,9 @@ def _suggest(model: ModelSpec, cluster: Cluster, workload: Workload, requested: 
                         f"pass --activation-checkpointing on or set model.activation_checkpointing=true.")
     c = _min_gpus(model, cluster, workload, ac)
     if c:
-        return f"Smallest that fits: {_gpus(c)} with fsdp{ckpt.replace(' with', ' and')}."
+        return f"Smallest that fits: {_gpus(c)} with {sharded}{ckpt.replace(' with', ' and')}."
     if requested is False and (c := _min_gpus(model, cluster, workload, True)):
         return (f"No number of GPUs fits without activation checkpointing; with it on "
-                f"(--activation-checkpointing on), fsdp fits on {_gpus(c)}.")
+                f"(--activation-checkpointing on), {sharded} fits on {_gpus(c)}.")
     return ("No number of GPUs helps: activations and gathered layers alone exceed the memory; "
             "reduce --micro-batch or --seq-len.")

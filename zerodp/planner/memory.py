@@ -72,7 +72,14 @@ class MemoryEstimate:
     grads_bytes: int
     optimizer_bytes: int
     model_states_bytes: int
-    """params + grads + optimizer states resident on the GPU (the ZeRO paper's figure)."""
+    """params + grads + optimizer states resident on the GPU: the ZeRO paper's figure (16P, 4P + 12P/N,
+    2P + 14P/N, 16P/N), however the engine splits it between the three fields above."""
+    engine_master_bytes: int
+    """DeepSpeed (zero1-3) in fp32: the separate fp32 master copy of this rank's shard (4P/N) that the
+    optimizer steps and copies back, on top of the fp32 parameters; 0 otherwise."""
+    unsharded_grads_bytes: int
+    """FSDP with grad_accum_steps > 1: the full (unsharded) fp32 gradients it accumulates between micro
+    batches, reduce-scattering only on the last (4P); 0 otherwise."""
     gathered_bytes: int
     """ZeRO-3/FSDP: full parameters (and gradients) of the units being computed."""
     bucket_bytes: int
@@ -105,9 +112,10 @@ class MemoryEstimate:
 
 def model_states(params: int, world_size: int, strategy: str, precision: str) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes per GPU, the ZeRO paper's accounting. Mixed precision:
-    2-byte params and grads, K=12 optimizer bytes (fp32 master, Adam m and v); fp32: 4, 4, 8."""
+    2-byte params and grads, K=12 optimizer bytes (fp32 master, Adam m and v); fp32: 4, 4, 8.
+    A sharded figure is for the largest shard, ceil(P/N) elements."""
     p, g, o = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
-    shard = lambda nbytes: math.ceil(nbytes * params / world_size)  # noqa: E731  (largest shard)
+    shard = lambda nbytes: nbytes * math.ceil(params / world_size)  # noqa: E731
     if strategy in ("single", "ddp"):
         return p * params, g * params, o * params
     if strategy == "zero1":
@@ -117,6 +125,30 @@ def model_states(params: int, world_size: int, strategy: str, precision: str) ->
     if strategy in ("zero3", "fsdp"):
         return shard(p), shard(g), shard(o)
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def engine_states(params: int, world_size: int, strategy: str, precision: str) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer, engine_master) bytes per GPU as zerodp's engines hold them, measured
+    by tests/test_planner_validation.py. The first three always add up to `model_states`; mixed
+    precision splits them differently per engine:
+
+    * ddp/single: autocast over fp32 parameters, which are the master weights: 4P, 4P (fp32 grads), 8P.
+    * fsdp: fp32 parameter shards (the master weights), fp32 gradient shards, moments: 4P/N, 4P/N, 8P/N;
+      16-bit copies exist only while a unit is gathered (gathered_bytes).
+    * zero1-3 (DeepSpeed): the paper's split, 16-bit params and grads, 12P/N fp32 master + moments.
+
+    engine_master is the extra fp32 master copy DeepSpeed keeps in fp32 training (4P/N), beyond the
+    paper's figure; 0 for every other case."""
+    states = model_states(params, world_size, strategy, precision)
+    if precision == "fp32":
+        master = 4 * math.ceil(params / world_size) if strategy in ("zero1", "zero2", "zero3") else 0
+        return (*states, master)
+    if strategy in ("single", "ddp"):
+        return 4 * params, 4 * params, 8 * params, 0
+    if strategy == "fsdp":
+        shard = math.ceil(params / world_size)
+        return 4 * shard, 4 * shard, 8 * shard, 0
+    return (*states, 0)
 
 
 def layer_activation_factor(m: ModelSpec, seq_len: int) -> float:
@@ -161,7 +193,9 @@ def comm_bytes(params: int, layout: Layout) -> tuple[int, int]:
         return int(one), int(one)
     if s == "zero2":  # reduce-scatter every micro batch (gradients are sharded), then all-gather
         return int(one * acc), int(one)
-    # zero3/fsdp: all-gather in forward and in backward, reduce-scatter, every micro batch, prefetched
+    if s == "fsdp":  # all-gather in forward and in backward every micro batch, one reduce-scatter (no sync before)
+        return int(one * (2 * acc + 1)), 0
+    # zero3: all-gather in forward and in backward, reduce-scatter, every micro batch, prefetched
     return int(3 * one * acc), 0
 
 
@@ -170,24 +204,29 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     c, w = layout.cluster, layout.workload
     n, P, ac = c.world_size, model.params, layout.activation_checkpointing
     cb = COMPUTE_BYTES[w.precision]
-    params_b, grads_b, optim_b = model_states(P, n, layout.strategy, w.precision)
+    params_b, grads_b, optim_b, master_b = engine_states(P, n, layout.strategy, w.precision)
 
     offloaded = 0
-    if layout.offload_optimizer:  # fp32 master + Adam moments and the fp32 gradient shard live on CPU
-        offloaded += math.ceil(16 * P / n)
-        optim_b = 0
+    if layout.strategy == "fsdp" and (layout.offload_optimizer or layout.offload_params):
+        # CPUOffloadPolicy moves the fp32 parameter shards (the master weights), gradients and moments
+        offloaded, params_b, grads_b, optim_b = params_b + grads_b + optim_b, 0, 0, 0
+    elif layout.offload_optimizer:  # fp32 master + Adam moments and the fp32 gradient shard live on CPU
+        offloaded += 16 * math.ceil(P / n)
+        optim_b, master_b = 0, 0
         grads_b = 0 if layout.strategy != "zero1" else grads_b
-    if layout.offload_params and layout.strategy in ("zero3", "fsdp"):
+    if layout.offload_params and layout.strategy == "zero3":
         offloaded += params_b if w.precision != "fp32" else 0  # in fp32 the master copy is the param
         params_b = 0
     states = params_b + grads_b + optim_b
+    # FSDP2 without gradient sync keeps every unit's unsharded fp32 gradient until the last micro batch.
+    unsharded = 4 * P if layout.strategy == "fsdp" and w.grad_accum_steps > 1 else 0
 
     sharded = layout.strategy in ("zero3", "fsdp")
     gathered = model.largest_unit_params * (2 * cb + cb) if sharded and n > 1 else 0  # 2 units + grads
     buckets = 0 if layout.strategy in ("single", "fsdp") or n == 1 else 2 * w.bucket_mb * 2**20
     acts = activation_bytes(model, w, ac)
     overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
-    total = states + gathered + buckets + acts + overhead
+    total = states + master_b + unsharded + gathered + buckets + acts + overhead
     usable = int(c.gpu.hbm_bytes * (1 - MARGIN))
     cpu_node = offloaded * c.gpus_per_node
     cpu_fits = None if not offloaded or c.cpu_ram_bytes is None else cpu_node <= c.cpu_ram_bytes
@@ -213,6 +252,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         name=layout.name, strategy=layout.strategy, offload_optimizer=layout.offload_optimizer,
         offload_params=layout.offload_params, activation_checkpointing=ac,
         params_bytes=params_b, grads_bytes=grads_b, optimizer_bytes=optim_b, model_states_bytes=states,
+        engine_master_bytes=master_b, unsharded_grads_bytes=unsharded,
         gathered_bytes=gathered, bucket_bytes=buckets, activations_bytes=acts, overhead_bytes=overhead,
         total_bytes=total, hbm_bytes=c.gpu.hbm_bytes, usable_bytes=usable, headroom_bytes=c.gpu.hbm_bytes - total,
         offloaded_bytes=offloaded, cpu_bytes_per_node=cpu_node, cpu_fits=cpu_fits,

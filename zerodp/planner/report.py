@@ -10,7 +10,7 @@ from zerodp.planner.units import gb, human_count, seconds
 
 SCHEMA_VERSION = 1
 
-_COLUMNS = ("strategy", "ckpt", "params", "grads", "optim", "buffers", "activ", "overhd", "total", "fits",
+_COLUMNS = ("strategy", "ckpt", "params", "grads", "optim", "extra", "buffers", "activ", "overhd", "total", "fits",
             "headroom", "comm/step", "step", "effic", "cpu/node")
 
 
@@ -30,10 +30,13 @@ def _header(plan) -> list[str]:
 
 
 def _cells(e) -> list[str]:
+    """One row. 'extra' is what an engine holds beyond the paper's model states (DeepSpeed's fp32 master
+    copy in fp32, FSDP's unsharded gradients while accumulating); 'buffers' gathered layers and buckets."""
     g = lambda b: f"{b / 1e9:.1f}"  # noqa: E731
     return [
         e.name, "on" if e.activation_checkpointing else "off", g(e.params_bytes), g(e.grads_bytes),
-        g(e.optimizer_bytes), g(e.gathered_bytes + e.bucket_bytes), g(e.activations_bytes),
+        g(e.optimizer_bytes), g(e.engine_master_bytes + e.unsharded_grads_bytes),
+        g(e.gathered_bytes + e.bucket_bytes), g(e.activations_bytes),
         g(e.overhead_bytes), g(e.total_bytes), "yes" if e.fits else "NO", g(e.headroom_bytes),
         g(e.comm_bytes), seconds(e.step_s), f"{e.scaling_efficiency:.0%}",
         g(e.cpu_bytes_per_node) if e.offloaded_bytes else "-",

@@ -148,13 +148,25 @@ class FSDPStrategy:
         no other copy; the ZeRO paper's 16-bit params exist here only while gathered); 'grads': the fp32
         gradient shards; 'optim': AdamW's exp_avg, exp_avg_sq and step; 'unsharded_peak': the most
         gathered (compute-dtype) parameter bytes seen at any unit's forward so far, 0 before the first
-        forward. With offload all but 'unsharded_peak' live in host memory."""
+        forward; 'unsharded_grads': the full gradients accumulated between micro batches without
+        gradient sync (in reduce_dtype, fp32), freed by the last micro batch's reduce-scatter. With
+        offload all but 'unsharded_peak' and 'unsharded_grads' live in host memory."""
         params = list(self.model.parameters())
+        # FSDP2 keeps accumulated gradients on its private FSDPParam objects (no public accessor): in
+        # `unsharded_accumulated_grad` when reduce_dtype differs from param_dtype, else on the
+        # unsharded parameter's .grad. tests/test_planner_validation.py notices if torch moves them.
+        accumulated = []
+        for unit in [*self.model.blocks(), self.model]:
+            group = unit._get_fsdp_state()._fsdp_param_group
+            for fp in group.fsdp_params if group is not None else ():
+                unsharded = getattr(fp, "_unsharded_param", None)
+                accumulated += [fp.unsharded_accumulated_grad, getattr(unsharded, "grad", None)]
         return {
             "params": tensor_bytes(params),
             "grads": tensor_bytes(p.grad for p in params),
             "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)),
             "unsharded_peak": self._unsharded_peak,
+            "unsharded_grads": tensor_bytes(accumulated),
         }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -192,9 +192,11 @@ class ZeroStrategy:
         """Bytes of the distinct storages this rank holds, found by walking the module's parameters
         (their data, ZeRO-3 `ds_tensor` partitions and grads), every tensor attribute of DeepSpeed's
         ZeRO optimizer (named by `_kind`) and the AdamW state. A storage is counted once, under the
-        first of params, optim, grads, buffers that reaches it; tensors offloaded to CPU memory count
-        too (see docs/strategies.md for what each key holds per stage)."""
-        found: dict[str, list] = {"params": [], "optim": [], "grads": [], "buffers": []}
+        first of params, optim, buckets, grads, buffers that reaches it: a gradient copied into a
+        reduce bucket counts as the bucket, so 'grads' is the gradients themselves and 'buckets' is what
+        the planner calls bucket_bytes. Tensors offloaded to CPU memory count too (see
+        docs/strategies.md for what each key holds per stage)."""
+        found: dict[str, list] = {"params": [], "optim": [], "buckets": [], "grads": [], "buffers": []}
         for p in self.module.parameters():
             found["params"] += [p.data, getattr(p, "ds_tensor", None)]
             found["grads"].append(p.grad)
@@ -205,7 +207,7 @@ class ZeroStrategy:
                     found["grads"].append(t.grad)
         found["optim"] += list(optimizer_state_tensors(self.optimizer))
         held, seen, before = {}, [], 0
-        for key in ("params", "optim", "grads", "buffers"):
+        for key in ("params", "optim", "buckets", "grads", "buffers"):
             seen += found[key]
             total = tensor_bytes(seen)
             held[key], before = total - before, total
@@ -291,10 +293,13 @@ def _copy_partition(target: torch.Tensor, full: torch.Tensor, rank: int) -> None
 
 
 def _kind(attr: str) -> str:
-    """Which state_bytes key a ZeRO optimizer attribute belongs to, by DeepSpeed's naming:
-    *grad* / ipg buckets -> grads, *fp32* (master partitions) -> optim, bit16/fp16/lp/param -> params."""
+    """Which state_bytes key a ZeRO optimizer attribute belongs to, by DeepSpeed's naming: ipg
+    (reduce) buckets -> buckets, *grad* (partitions, averaged gradients) -> grads, *fp32* (master
+    partitions) -> optim, bit16/fp16/lp/param -> params."""
     a = attr.lower()
-    if ("grad" in a or "ipg" in a) and "norm" not in a:
+    if "ipg" in a or "bucket" in a:
+        return "buckets"
+    if "grad" in a and "norm" not in a:
         return "grads"
     if "fp32" in a:
         return "optim"
@@ -304,9 +309,12 @@ def _kind(attr: str) -> str:
 
 
 def _tensors(value, depth: int = 0):
-    """Tensors inside `value` (nested lists, tuples, dicts), a few levels deep."""
+    """Tensors inside `value` (nested lists, tuples, dicts, and the `buffer` of DeepSpeed's IPGBucket
+    objects, not their params or grads lists), a few levels deep."""
     if torch.is_tensor(value):
         yield value
+    elif depth < 4 and hasattr(value, "buffer") and hasattr(value, "elements"):  # IPGBucket, IPGBucketZ3
+        yield from _tensors(value.buffer, depth + 1)
     elif depth < 4 and isinstance(value, (list, tuple)):
         for v in value:
             yield from _tensors(v, depth + 1)

@@ -48,6 +48,9 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv
     else:
         device = torch.device("cpu")
         backend = "gloo"
+        if "OMP_NUM_THREADS" not in os.environ:  # ranks of one node share its cores: no oversubscription
+            local_world = _env_int("LOCAL_WORLD_SIZE", default=world if world <= (os.cpu_count() or 1) else 1)
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if "MASTER_ADDR" not in os.environ:  # one plain process: an in-memory store is enough

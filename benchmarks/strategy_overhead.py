@@ -26,8 +26,8 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--strategies", default="ddp,zero1,zero2,zero3,fsdp")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per turn")
-    p.add_argument("--rounds", type=int, default=5, help="alternating turns of each loop")
+    p.add_argument("--steps", type=int, default=10, help="timed steps of each loop per round")
+    p.add_argument("--rounds", type=int, default=4, help="rounds; the loop that goes first alternates")
     p.add_argument("--precision", default="fp32")
     p.add_argument("overrides", nargs="*", help="zerodp config overrides for the model/batch")
     return p.parse_args()
@@ -60,7 +60,7 @@ def raw_ddp(model, cfg, ctx):
 
     from zerodp.optim import adamw_kwargs, param_groups
 
-    ddp = DDP(model)
+    ddp = DDP(model, bucket_cap_mb=cfg.strategy.bucket_size_mb, gradient_as_bucket_view=True)  # as zerodp's
     opt = torch.optim.AdamW(param_groups(model, cfg), **adamw_kwargs(cfg))
 
     def step(micro_batches, lr):
@@ -160,22 +160,24 @@ def worker(args) -> None:
         step = 0
         for which in ("zerodp", "raw"):  # warm-up: first steps allocate and build buffers
             loops[which](batches(data, cfg, 0, env, world))
-        for _ in range(args.rounds):
-            for which in ("zerodp", "raw"):
-                for _ in range(args.steps):
-                    mb = [(x.to(env.device), y.to(env.device)) for x, y in batches(data, cfg, step, env, world)]
+        for r in range(args.rounds):
+            order = ("zerodp", "raw") if r % 2 == 0 else ("raw", "zerodp")  # neither always goes first
+            for _ in range(args.steps):
+                mb = [(x.to(env.device), y.to(env.device)) for x, y in batches(data, cfg, step, env, world)]
+                for which in order:  # alternate step by step: both see the same machine state
                     torch.distributed.barrier()
                     t0 = time.perf_counter()
                     loops[which](mb)
                     times[which].append(time.perf_counter() - t0)
-                    step += 1
+                step += 1
         z, r = statistics.median(times["zerodp"]), statistics.median(times["raw"])
         rows.append((name, z, r))
         del strategy, raw_step
     if env.rank == 0:
         print(f"\ncommand: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
         print(f"world {world}, precision {args.precision}, micro batch {cfg.train.micro_batch_size}, "
-              f"accum {accum}, seq {cfg.model.block_size}, {args.rounds} rounds x {args.steps} steps each")
+              f"accum {accum}, seq {cfg.model.block_size}, {args.rounds} rounds x {args.steps} steps of each, "
+              f"alternating step by step; median step time")
         print(f"{'strategy':8s} {'zerodp s/step':>14s} {'raw s/step':>11s} {'ratio':>7s}")
         for name, z, r in rows:
             print(f"{name:8s} {z:14.4f} {r:11.4f} {z / r:7.3f}")

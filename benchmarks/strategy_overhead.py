@@ -172,7 +172,6 @@ def worker(args) -> None:
                 step += 1
         z, r = statistics.median(times["zerodp"]), statistics.median(times["raw"])
         rows.append((name, z, r))
-        del strategy, raw_step
     if env.rank == 0:
         print(f"\ncommand: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
         print(f"world {world}, precision {args.precision}, micro batch {cfg.train.micro_batch_size}, "

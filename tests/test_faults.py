@@ -80,14 +80,15 @@ def test_sigkill_at_random_moments_restarts_bit_identical(tiny, tmp_path):
         assert [r["step"] for r in records] == list(range(1, steps + 1))
 
 
-def test_sigterm_finishes_the_step_saves_and_exits(tiny, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_sigterm_finishes_the_step_saves_and_exits(tiny, tmp_path, sig):
     out = tmp_path / "run"
     agent = torchrun(small(tiny, out, steps=500, every=0) + ["train.progress=false"], restarts=0)
     deadline = time.monotonic() + 240
     while metric_lines(out) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     for pid in workers_of(agent):  # as a scheduler would: every rank gets the signal
-        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, sig)
     log = agent.communicate(timeout=120)[0].decode(errors="replace")
     assert agent.returncode == 0, log[-3000:]
     assert "preempted: stopped after step" in log
@@ -105,6 +106,15 @@ def test_dead_peer_is_named(tiny, tmp_path):
     msg = results[0]["error"]
     assert msg.startswith("rank 0 on ") and "rank 1 on " in msg and "last finished step 3" in msg, msg
     assert "Restart the job" in msg
+
+
+def test_hung_peer_times_out_and_is_named(tiny, tmp_path):
+    over = small(tiny, tmp_path, steps=20, every=0) + ["strategy.timeout_s=4"]
+    results = run_distributed("tests.workers:hang_at_step", 2,
+                              {"overrides": over, "rank": 1, "step": 2, "seconds": 15}, allow_missing=True)
+    msg = results[0]["error"]
+    assert msg is not None and "rank 1 on " in msg and "last finished step 2" in msg, msg
+    assert results[0]["waited_s"] < 60  # the collective timeout, not the hang, decided when to stop
 
 
 @pytest.mark.parametrize("where, cause", [("compute", "slow compute"), ("data", "data loading stall")])

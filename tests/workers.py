@@ -47,6 +47,27 @@ def die_at_step(overrides: list[str], rank: int, step: int) -> dict:
     return {"error": None, "no_barrier": True}
 
 
+def hang_at_step(overrides: list[str], rank: int, step: int, seconds: float) -> dict:
+    """`rank` stops answering at optimizer step `step` for `seconds` (then leaves); the others time out."""
+    real_step = zerodp.train.train_step
+    calls = {"n": 0}
+
+    def hanging_step(*args, **kwargs):
+        if dist.get_rank() == rank and calls["n"] == step:
+            time.sleep(seconds)
+            os._exit(0)
+        calls["n"] += 1
+        return real_step(*args, **kwargs)
+
+    zerodp.train.train_step = hanging_step
+    started = time.monotonic()
+    try:
+        train(load_config(None, overrides), fresh=True)
+    except PeerFailure as e:
+        return {"error": str(e), "waited_s": time.monotonic() - started, "no_barrier": True}
+    return {"error": None, "no_barrier": True}
+
+
 def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict:
     """Slow `rank` by `delay` seconds per step, in its compute or in its data loading."""
     if dist.get_rank() == rank:

@@ -29,7 +29,7 @@ def _add_train(sub) -> None:
 
 
 def _run_train(args) -> int:
-    from zerodp.config import dump_yaml, load_config
+    from zerodp.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:

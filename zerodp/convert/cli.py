@@ -7,7 +7,6 @@ the same error handling as `zerodp` (UserError: one line on stderr, exit 2).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -82,22 +81,10 @@ def run_inspect(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zerodp.cli import _Parser
+    """`python -m zerodp.convert.cli {convert,inspect} ...`: the same as `zerodp convert|inspect ...`."""
+    from zerodp.cli import main as zerodp_main
 
-    parser = _Parser(prog="zerodp", description="zerodp checkpoint tools")
-    sub = parser.add_subparsers(dest="command", metavar="{convert,inspect}", parser_class=_Parser)
-    sub.required = True
-    add_convert_parser(sub)
-    add_inspect_parser(sub)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return args.func(args)
-    except UserError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"zerodp: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return zerodp_main(argv)
 
 
 if __name__ == "__main__":

@@ -150,14 +150,10 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="zerodp")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except UserError as e:
-        print(f"zerodp: error: {e}", file=sys.stderr)
-        return 2
+    """`python -m zerodp.planner.cli plan ...`: the same as `zerodp plan ...`."""
+    from zerodp.cli import main as zerodp_main
+
+    return zerodp_main(argv)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,28 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
+def replicated_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, lr: float, clip: float) -> float:
+    """The optimizer step of a strategy whose ranks hold whole gradients (single, ddp): unscale (fp16),
+    clip to the global norm, step, zero the gradients; return the norm before clipping."""
+    set_lr(optimizer, lr)
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def replicated_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """What a rank holding everything holds: fp32 params (= master weights), fp32 grads, moments."""
+    params = list(model.parameters())
+    return {
+        "params": tensor_bytes(params),
+        "grads": tensor_bytes(p.grad for p in params),
+        "optim": tensor_bytes(optimizer_state_tensors(optimizer)),
+    }
+
+
 class FullState:
     """Full fp32 tensors by the model's own parameter names, from any checkpoint source
     (`zerodp.convert.open_checkpoint`): what lets any strategy at any world size start from a

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (FullState, autocast_context, load_full_replicated, load_replicated,
-                                      optimizer_state_tensors, save_replicated, set_lr, tensor_bytes)
+                                      replicated_state_bytes, replicated_step, save_replicated)
 
 
 class DDPStrategy:
@@ -47,22 +47,10 @@ class DDPStrategy:
         self.scaler.scale(loss / self.ctx.grad_accum_steps).backward()
 
     def step(self, lr: float) -> float:
-        set_lr(self.optimizer, lr)
-        self.scaler.unscale_(self.optimizer)
-        clip = self.ctx.cfg.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), clip if clip > 0 else float("inf"))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return replicated_step(self.module, self.optimizer, self.scaler, lr, self.ctx.cfg.optim.grad_clip)
 
     def state_bytes(self) -> dict[str, int]:
-        params = list(self.module.parameters())
-        return {
-            "params": tensor_bytes(params),
-            "grads": tensor_bytes(p.grad for p in params),
-            "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)),
-        }
+        return replicated_state_bytes(self.module, self.optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float() for n, p in self.module.named_parameters()}

@@ -11,7 +11,7 @@ from torch import nn
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (FullState, autocast_context, load_full_replicated, load_replicated,
-                                      optimizer_state_tensors, save_replicated, set_lr, tensor_bytes)
+                                      replicated_state_bytes, replicated_step, save_replicated)
 
 
 class SingleStrategy:
@@ -34,22 +34,10 @@ class SingleStrategy:
         self.scaler.scale(loss / self.ctx.grad_accum_steps).backward()
 
     def step(self, lr: float) -> float:
-        set_lr(self.optimizer, lr)
-        self.scaler.unscale_(self.optimizer)
-        clip = self.ctx.cfg.optim.grad_clip
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else float("inf"))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return replicated_step(self.model, self.optimizer, self.scaler, lr, self.ctx.cfg.optim.grad_clip)
 
     def state_bytes(self) -> dict[str, int]:
-        params = list(self.model.parameters())
-        return {
-            "params": tensor_bytes(params),
-            "grads": tensor_bytes(p.grad for p in params),
-            "optim": tensor_bytes(optimizer_state_tensors(self.optimizer)),
-        }
+        return replicated_state_bytes(self.model, self.optimizer)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().float() for n, p in self.model.named_parameters()}

@@ -29,7 +29,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 def test_fsdp_matches_reference_and_precision_bands(tiny, tmp_path):
     """World 2, accum 2: fp32 exact (with activation checkpointing, without resharding, with CPU
-    offload); bf16 and fp16 within their measured bands of the fp32 reference."""
+    offload, deferring the gradient reduction to the last micro batch); bf16 and fp16 within their measured bands of the fp32 reference."""
     over = tiny + ["train.global_batch_size=8", "train.max_steps=8"]
     ref_losses, ref_weights = reference_run(load_config(None, over))
     fsdp = over + ["strategy.name=fsdp"]
@@ -37,13 +37,14 @@ def test_fsdp_matches_reference_and_precision_bands(tiny, tmp_path):
         "ac": ["model.activation_checkpointing=true", "train.eval_every=4"],
         "no_reshard": ["strategy.reshard_after_forward=false"],
         "offload": ["strategy.offload_params=true"],
+        "defer": ["strategy.fsdp_defer_grad_reduce=true"],
         "bf16": ["train.precision=bf16"],
         "fp16": ["train.precision=fp16"],
     }
     runs = [{"overrides": fsdp + extra + [f"train.out_dir={tmp_path / name}"]} for name, extra in variants.items()]
     per_rank = run_distributed("tests.workers:train_runs", 2, {"runs": runs})
     results = dict(zip(variants, per_rank[0]))
-    for name in ("ac", "no_reshard", "offload"):
+    for name in ("ac", "no_reshard", "offload", "defer"):
         res = results[name]
         assert res["strategy"] == "fsdp"
         assert res["losses"] == pytest.approx(ref_losses, abs=1e-5), name

@@ -92,10 +92,23 @@ def test_activation_bytes_hand_computed():
 
 def test_communication_volumes():
     P, c = 10**9, Cluster(gpus_per_node=8)
-    ring = 7 / 8 * P * 2
-    vol = {s: sum(comm_bytes(P, Layout(s, c, Workload()))) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
-    assert vol["ddp"] == int(2 * ring) == vol["zero1"] == vol["zero2"]
-    assert vol["zero3"] == vol["fsdp"] == int(3 * ring) == pytest.approx(1.5 * vol["ddp"])
+
+    def vol(precision: str, accum: int = 1, defer: bool = False) -> dict:
+        w = Workload(precision=precision, grad_accum_steps=accum, fsdp_defer_grad_reduce=defer)
+        return {s: sum(comm_bytes(P, Layout(s, c, w))) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
+
+    ring32 = 7 / 8 * P * 4  # one reduce-scatter or all-gather of fp32
+    fp32 = vol("fp32")  # the paper's ratios hold when every engine communicates the same dtype
+    assert fp32["ddp"] == int(2 * ring32) == fp32["zero1"] == fp32["zero2"]
+    assert fp32["zero3"] == fp32["fsdp"] == int(3 * ring32) == pytest.approx(1.5 * fp32["ddp"])
+    # bf16: DeepSpeed reduces in bf16; zerodp's DDP (autocast over fp32 params) and FSDP (reduce_dtype
+    # fp32) reduce fp32 gradients, so their gradient traffic stays at 4 bytes
+    bf16, ring16 = vol("bf16"), 7 / 8 * P * 2
+    assert bf16["ddp"] == int(2 * ring32) and bf16["zero1"] == int(2 * ring16)
+    assert bf16["zero3"] == int(3 * ring16) and bf16["fsdp"] == int(2 * ring16 + ring32)
+    # accumulating 4 micro batches: fsdp reduce-scatters each one unless it defers (then once)
+    assert vol("bf16", 4)["fsdp"] == int(8 * ring16 + 4 * ring32)
+    assert vol("bf16", 4, defer=True)["fsdp"] == int(8 * ring16 + ring32)
     assert sum(comm_bytes(P, Layout("ddp", Cluster(gpus_per_node=1), Workload()))) == 0
 
 

@@ -134,6 +134,10 @@ class StrategyConfig:
     """Keep parameters in CPU memory between uses (zero3, fsdp)."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (ZeRO-3-like); false keeps them (ZeRO-2-like)."""
+    fsdp_defer_grad_reduce: bool = False
+    """FSDP with gradient accumulation: keep full fp32 gradients between micro batches and
+    reduce-scatter once per step (less traffic, but 4P bytes per rank that sharding does not divide);
+    false reduce-scatters every micro batch, as ZeRO-2/3 do."""
     hybrid_shard: bool = False
     """FSDP: shard within groups of shard_group_size ranks (a node), replicate across groups (HSDP)."""
     shard_group_size: int = 0

@@ -178,9 +178,10 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate]) -> str:
 
 
 def _sharded(workload: Workload) -> str:
-    """The strategy whose memory shrinks most with more GPUs: fsdp, or zero3 when accumulating (FSDP
-    keeps the unsharded gradients between micro batches, a 4P that no number of GPUs divides)."""
-    return "fsdp" if workload.grad_accum_steps == 1 else "zero3"
+    """The strategy whose memory shrinks most with more GPUs: fsdp, or zero3 when fsdp defers its
+    gradient reduction while accumulating (it then keeps a 4P of unsharded gradients that no number of
+    GPUs divides)."""
+    return "zero3" if workload.fsdp_defer_grad_reduce and workload.grad_accum_steps > 1 else "fsdp"
 
 
 def _min_gpus(model: ModelSpec, cluster: Cluster, workload: Workload, ac: bool) -> Optional[Cluster]:

@@ -35,6 +35,8 @@ class Workload:
     grad_accum_steps: int = 1
     bucket_mb: int = 25
     """strategy.bucket_size_mb: DDP buckets and DeepSpeed reduce/all-gather buckets."""
+    fsdp_defer_grad_reduce: bool = False
+    """strategy.fsdp_defer_grad_reduce: FSDP keeps unsharded fp32 gradients while accumulating."""
 
 
 @dataclass(frozen=True)
@@ -186,15 +188,17 @@ def comm_bytes(params: int, layout: Layout) -> tuple[int, int]:
     if n == 1:
         return 0, 0
     one = (n - 1) / n * params * COMPUTE_BYTES[w.precision]  # one reduce-scatter or all-gather
+    one32 = (n - 1) / n * params * 4  # the same in fp32
     acc, s = w.grad_accum_steps, layout.strategy
-    if s == "ddp":  # all-reduce once per step (no_sync while accumulating), during backward
-        return int(2 * one), 0
+    if s == "ddp":  # all-reduce once per step (no_sync while accumulating), during backward; zerodp's DDP
+        return int(2 * one32), 0  # keeps fp32 gradients (autocast over fp32 parameters)
     if s == "zero1":  # reduce-scatter at the boundary, all-gather of updated params after the step
         return int(one), int(one)
     if s == "zero2":  # reduce-scatter every micro batch (gradients are sharded), then all-gather
         return int(one * acc), int(one)
-    if s == "fsdp":  # all-gather in forward and in backward every micro batch, one reduce-scatter (no sync before)
-        return int(one * (2 * acc + 1)), 0
+    if s == "fsdp":  # all-gather in forward and in backward every micro batch (compute dtype), fp32
+        reduces = 1 if w.fsdp_defer_grad_reduce else acc  # reduce-scatter (reduce_dtype) per micro batch
+        return int(2 * one * acc + one32 * reduces), 0
     # zero3: all-gather in forward and in backward, reduce-scatter, every micro batch, prefetched
     return int(3 * one * acc), 0
 
@@ -219,7 +223,8 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         params_b = 0
     states = params_b + grads_b + optim_b
     # FSDP2 without gradient sync keeps every unit's unsharded fp32 gradient until the last micro batch.
-    unsharded = 4 * P if layout.strategy == "fsdp" and w.grad_accum_steps > 1 else 0
+    deferred = layout.strategy == "fsdp" and w.fsdp_defer_grad_reduce and w.grad_accum_steps > 1
+    unsharded = 4 * P if deferred else 0
 
     sharded = layout.strategy in ("zero3", "fsdp")
     gathered = model.largest_unit_params * (2 * cb + cb) if sharded and n > 1 else 0  # 2 units + grads

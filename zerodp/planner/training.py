@@ -16,7 +16,8 @@ def workload_from_config(cfg, world_size: int) -> Workload:
     An uneven batch split is reported by Config.check_batch_split, not here: round down, at least 1."""
     t = cfg.train
     accum = max(1, t.global_batch_size // (t.micro_batch_size * world_size))
-    return Workload(t.micro_batch_size, cfg.model.block_size, t.precision, accum, cfg.strategy.bucket_size_mb)
+    return Workload(t.micro_batch_size, cfg.model.block_size, t.precision, accum, cfg.strategy.bucket_size_mb,
+                    cfg.strategy.fsdp_defer_grad_reduce)
 
 
 def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_name: str = "cpu", *,

@@ -112,10 +112,11 @@ class FSDPStrategy:
         self._unsharded_peak = max(self._unsharded_peak, live)
 
     def micro_step(self, is_last: bool):
-        # Without sync, FSDP keeps accumulating unsharded gradients (in fp32 under mixed precision) and
-        # reduce-scatters once, on the last micro batch's backward. Set before forward: it applies to
-        # every unit's post-backward.
-        self.model.set_requires_gradient_sync(is_last)
+        # By default every micro batch's backward reduce-scatters into the sharded fp32 gradients, which
+        # accumulate there: memory stays 1/N. With strategy.fsdp_defer_grad_reduce, sync is off until the
+        # last micro batch: FSDP keeps every unit's unsharded fp32 gradient (4P bytes) and reduces once.
+        # Set before forward: it applies to every unit's post-backward.
+        self.model.set_requires_gradient_sync(is_last or not self.ctx.cfg.strategy.fsdp_defer_grad_reduce)
         return contextlib.nullcontext()
 
     def autocast(self):

@@ -228,7 +228,8 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
 
     sharded = layout.strategy in ("zero3", "fsdp")
     gathered = model.largest_unit_params * (2 * cb + cb) if sharded and n > 1 else 0  # 2 units + grads
-    buckets = 0 if layout.strategy in ("single", "fsdp") or n == 1 else 2 * w.bucket_mb * 2**20
+    # zerodp's DDP uses gradient_as_bucket_view: its buckets are the gradients, counted above.
+    buckets = 0 if layout.strategy in ("single", "ddp", "fsdp") or n == 1 else 2 * w.bucket_mb * 2**20
     acts = activation_bytes(model, w, ac)
     overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
     total = states + master_b + unsharded + gathered + buckets + acts + overhead

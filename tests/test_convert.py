@@ -104,6 +104,31 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
     assert not marker.exists()
 
 
+def test_malicious_dcp_metadata_is_refused_and_nothing_runs(tmp_path):
+    """torch.distributed.checkpoint unpickles `.metadata` with plain pickle; zerodp does not."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    folder = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"w": torch.ones(3)}, checkpoint_id=folder, no_dist=True)
+    (folder / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match=r"\.metadata asks to load the global posix.system, which is not on "
+                                              r"zerodp's allowlist"):
+        open_checkpoint(folder)
+    assert main(["inspect", str(folder)]) == 1
+    assert not marker.exists()
+
+
 def test_pickle_protocol_tricks_are_refused(tmp_path):
     from zerodp.convert.safeload import safe_torch_load
 

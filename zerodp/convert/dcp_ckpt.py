@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from zerodp.convert.safeload import safe_dcp_planner, safe_dcp_reader
 from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, check_kind
 from zerodp.errors import CheckpointError
 
@@ -27,14 +28,15 @@ class DcpSource(CheckpointSource):
     format = "dcp"
 
     def __init__(self, path: Path, tied: dict[str, str] | None = None):
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.path = Path(path)
         if not (self.path / ".metadata").is_file():
             raise CheckpointError(f"{self.path} has no .metadata file; not a torch.distributed.checkpoint folder")
         try:
-            self.md = FileSystemReader(str(self.path)).read_metadata()
+            self.md = safe_dcp_reader(self.path).read_metadata()
+        except CheckpointError:
+            raise
         except Exception as e:  # a truncated .metadata pickle
             raise CheckpointError(f"{self.path / '.metadata'} is unreadable ({type(e).__name__}: {e})") from None
         problem = self.verify(deep=False)  # sizes first: nothing is read from a truncated file
@@ -84,7 +86,6 @@ class DcpSource(CheckpointSource):
 
     def _load(self, key: str) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.api import CheckpointException
 
         m = self.meta_of[key]
@@ -92,7 +93,8 @@ class DcpSource(CheckpointSource):
         try:
             with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({key: t}, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
+                dcp.load({key: t}, storage_reader=safe_dcp_reader(self.path), planner=safe_dcp_planner(),
+                         no_dist=True)
         except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps file errors
             problem = self.verify(deep=False) or f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
             raise CheckpointError(f"{self.path}: cannot read {key}: {problem}") from None

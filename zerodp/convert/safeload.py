@@ -81,3 +81,75 @@ def safe_torch_load(path: Path, mmap: bool = True) -> dict:
     except (RuntimeError, EOFError, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path} is truncated or corrupted ({first})") from None
+
+
+# ---- torch.distributed.checkpoint ---------------------------------------------------------------
+# DCP pickles its `.metadata` (plain pickle.load in FileSystemReader) and loads non-tensor entries
+# with torch.load(weights_only=False) (DefaultLoadPlanner.load_bytes). zerodp reads both through the
+# allowlists below instead. The metadata types were found by tracing find_class on folders written
+# by torch 2.13 (FSDP2 get_state_dict + dcp.save, and plain dcp.save).
+_DCP_METADATA_TYPES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},  # and every torch dtype, checked below
+    "torch.serialization": {"_get_layout"},  # "torch.strided" -> the layout object
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if is_dtype or name in _DCP_METADATA_TYPES.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def _safe_dcp_classes():
+    """FileSystemReader and DefaultLoadPlanner with their pickle loads replaced by allowlisted ones
+    (built on first use: importing torch.distributed.checkpoint is not free)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as f:
+                try:
+                    metadata = _DcpMetadataUnpickler(f).load()
+                except pickle.UnpicklingError as e:
+                    what = str(e).removeprefix("GLOBAL ")
+                    raise CheckpointError(f"{path} asks to load the global {what}, which is not on zerodp's "
+                                          f"allowlist of checkpoint metadata types; refusing to load it") from None
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value) -> None:
+            # DefaultLoadPlanner.load_bytes with weights_only=True: plain data (param groups, counters)
+            from torch.distributed.checkpoint._traverse import set_element
+
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafeFileSystemReader, SafeLoadPlanner
+
+
+def safe_dcp_reader(path) -> "object":
+    """A torch.distributed.checkpoint storage reader whose metadata is unpickled with an allowlist."""
+    reader, _ = _safe_dcp_classes()
+    return reader(str(path))
+
+
+def safe_dcp_planner() -> "object":
+    """A load planner that reads non-tensor entries with torch.load(weights_only=True)."""
+    _, planner = _safe_dcp_classes()
+    return planner()

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from zerodp.convert.safeload import safe_dcp_planner, safe_dcp_reader
 from zerodp.errors import CheckpointError, UserError
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
@@ -202,7 +203,9 @@ class FSDPStrategy:
         for alias in meta["tied"]:
             model_sd.pop(alias, None)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=ckpt_dir / meta["dcp_dir"])  # reshards to this world size
+        # Reshards to this world size. Metadata and non-tensor entries go through allowlisted unpicklers:
+        # loading never runs code from a checkpoint.
+        dcp.load(state, storage_reader=safe_dcp_reader(ckpt_dir / meta["dcp_dir"]), planner=safe_dcp_planner())
         for alias, source in meta["tied"].items():
             state["model"][alias] = state["model"][source]
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],

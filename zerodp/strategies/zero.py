@@ -224,11 +224,15 @@ class ZeroStrategy:
         self.model.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
 
     def load(self, ckpt_dir: Path) -> None:
-        path, _ = self.model.load_checkpoint(str(ckpt_dir), tag=TAG, load_optimizer_states=True,
-                                             load_lr_scheduler_states=False)
-        if path is None:
-            raise UserError(f"{ckpt_dir / TAG} holds no DeepSpeed checkpoint")
+        """Resume from DeepSpeed's files without DeepSpeed's loader: `engine.load_checkpoint` unpickles
+        with weights_only=False, i.e. runs whatever the files ask for. zerodp reads the same files with
+        its allowlisted loader (zerodp.convert) and sets each rank's part (`load_full`): the fp32
+        master weights, moments and step come back exactly. The fp16 loss scale restarts from its
+        initial value."""
+        from zerodp.convert import open_checkpoint
 
+        with open_checkpoint(ckpt_dir) as source:
+            self.load_full(FullState(source, with_optimizer=True))
 
     def load_full(self, state: FullState) -> None:
         """Start from full fp32 tensors (any checkpoint, any world size): set each parameter's working

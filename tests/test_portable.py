@@ -78,3 +78,23 @@ def test_init_from_mismatched_model_is_a_clear_error(tiny, tmp_path):
         run_distributed("tests.workers:train_runs", 1, {"runs": [
             {"overrides": over + ["model.n_embd=64", "strategy.name=single", f"model.init_from={weights}",
                                   f"train.out_dir={tmp_path / 'b'}"]}]})
+
+
+def test_init_from_hugging_face_gpt2_layout(tiny, tmp_path):
+    """A file in Hugging Face GPT2Model's layout (no 'transformer.' prefix, Conv1D weights stored
+    (in, out)) initialises zerodp's GPT exactly."""
+    from safetensors.torch import save_file
+
+    over = base(tiny)
+    cfg = load_config(None, over)
+    torch.manual_seed(7)
+    model = GPT(cfg.model)
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    hf = {n.removeprefix("transformer."): (p.t() if n.endswith(conv1d) else p).detach().contiguous()
+          for n, p in model.named_parameters()}
+    save_file(hf, tmp_path / "model.safetensors")
+    (got,) = run_distributed("tests.workers:train_runs", 1, {"runs": [
+        {"overrides": over + ["strategy.name=single", "train.max_steps=1", "optim.lr=1e-9", "optim.min_lr=0",
+                              f"model.init_from={tmp_path / 'model.safetensors'}", f"train.out_dir={tmp_path / 'r'}"]}]})[0]
+    for n, p in model.named_parameters():
+        assert (got["weights"][n] - p.detach()).abs().max().item() < 1e-6, n

@@ -122,7 +122,10 @@ def replicated_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -
 class FullState:
     """Full fp32 tensors by the model's own parameter names, from any checkpoint source
     (`zerodp.convert.open_checkpoint`): what lets any strategy at any world size start from a
-    checkpoint written by any other. Shapes are checked; tied aliases are followed."""
+    checkpoint written by any other. Shapes are checked; tied aliases are followed. Hugging Face GPT-2
+    files (`h.0.attn.c_attn.weight`, Conv1D weights stored as (in, out)) are read too."""
+
+    CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
     def __init__(self, source, with_optimizer: bool):
         self.source = source
@@ -130,13 +133,19 @@ class FullState:
         tied = source.tied()
         self.aliases = {**tied, **{stored: alias for alias, stored in tied.items()}}
         self.with_optimizer = with_optimizer and all(source.has(n, "exp_avg") for n in self.names)
+        # Hugging Face GPT-2 (GPT2Model or GPT2LMHeadModel) stores its Conv1D weights as (in, out):
+        # recognised by c_attn's shape (h, 3h) where nn.Linear has (3h, h).
+        c_attn = next((n for n in self.names if n.endswith("h.0.attn.c_attn.weight")), None)
+        shape = tuple(source.info(c_attn).shape) if c_attn else ()
+        self.conv1d = len(shape) == 2 and shape[1] == 3 * shape[0]
 
     def _stored(self, name: str) -> str:
-        if name in self.names:
-            return name
-        alias = self.aliases.get(name)
-        if alias in self.names:
-            return alias
+        candidates = [name, self.aliases.get(name)]
+        if name.startswith("transformer."):
+            candidates.append(name[len("transformer."):])  # Hugging Face GPT2Model naming
+        for c in candidates:
+            if c in self.names:
+                return c
         from zerodp.errors import CheckpointError
 
         raise CheckpointError(f"{self.source.path} has no parameter {name!r} (it has {len(self.names)}, e.g. "
@@ -144,6 +153,8 @@ class FullState:
 
     def get(self, name: str, kind: str, shape) -> torch.Tensor:
         t = self.source.get(self._stored(name), kind).float()
+        if self.conv1d and name.endswith(self.CONV1D):
+            t = t.t().contiguous()  # Conv1D keeps (in, out); nn.Linear (out, in)
         if tuple(t.shape) != tuple(shape):
             from zerodp.errors import CheckpointError
 

@@ -49,6 +49,8 @@ def test_help_lists_subcommands():
     (None, ["frobnicate"], r"^zerodp: error: argument .*invalid choice: 'frobnicate'"),
     (None, ["train", "{cfg}", "--nope"], r"unrecognized arguments: --nope"),
     (None, ["train", "{cfg}", "data.source=/nonexistent/corpus"], r"data.source '/nonexistent/corpus' not found"),
+    ("", ["train", "{cfg}", "data.source={tmp}/empty.txt"], r"data.source '.*empty.txt' holds no text"),
+    ("", ["train", "{cfg}", "data.source={tmp}/empty.bin"], r"data.source .*empty.bin is empty; give a .bin file"),
     (None, ["plan", "--model", "gpt5"], r"unknown model 'gpt5'; did you mean 'gpt2'\? known models: gpt2, "),
     (None, ["plan", "--model", "gpt2", "--gpus", "0"], r"--gpus 0: GPUs per node must be at least 1"),
     (None, ["plan", "--model", "gpt2", "--hbm", "lots"], r"--hbm 'lots' is not a size; write a number and a unit"),
@@ -60,6 +62,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, setup, args, pattern):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(setup or "train:\n  progress: false\n")
     (tmp_path / "afile").write_text("not a directory")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "empty.bin").write_bytes(b"")
     args = [a.format(cfg=cfg, tmp=tmp_path) for a in args]
     one_line_error(zerodp(*args), pattern)
 

@@ -62,6 +62,17 @@ def test_missing_file_and_yaml_syntax(tmp_path):
         load_config(write(tmp_path, "train:\n  max_steps: [1, 2\n"))
 
 
+def test_nested_deepspeed_overrides(tmp_path):
+    cfg = load_config(write(tmp_path, "strategy:\n  deepspeed:\n"), ["strategy.deepspeed.zero_optimization.stage3_prefetch_bucket_size=5e7"])
+    assert cfg.strategy.deepspeed == {"zero_optimization": {"stage3_prefetch_bucket_size": 50_000_000}}
+    with pytest.raises(ConfigError, match=r"strategy.deepspeed.zero_optimization is 5, not a mapping, so "
+                                          r"strategy.deepspeed.zero_optimization.stage cannot be set inside it"):
+        load_config(None, ["strategy.deepspeed.zero_optimization=5", "strategy.deepspeed.zero_optimization.stage=3"])
+    (tmp_path / "latin1.yaml").write_bytes("train:\n  out_dir: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.yaml is not UTF-8 text; save the config as UTF-8 YAML"):
+        load_config(tmp_path / "latin1.yaml")
+
+
 def test_override_errors():
     with pytest.raises(ConfigError, match=r"override 'max_steps=5' is not of the form section.key=value"):
         load_config(None, ["max_steps=5"])

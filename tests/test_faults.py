@@ -150,3 +150,22 @@ def test_two_nodes_on_loopback_train_like_one_process(tiny, tmp_path):
     assert "on 2 process(es)" in logs[0]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, abs=1e-5)
+
+
+def test_srun_style_environment_and_missing_master_addr(tiny, tmp_path):
+    """Ranks started by srun carry SLURM_PROCID/SLURM_NTASKS only; without MASTER_ADDR that is an error,
+    not N separate one-process jobs."""
+    env = base_env(2)
+    for k in ("MASTER_ADDR", "WORLD_SIZE"):
+        env.pop(k)
+    cmd = [sys.executable, "-m", "zerodp", "train", "configs/tiny.yaml", *small(tiny, tmp_path, steps=2, every=0)]
+    r = subprocess.run(cmd, env=dict(env, SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_LOCALID="1"), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "rank 1 of 2 but MASTER_ADDR is not set" in r.stderr
+    env["MASTER_ADDR"] = "127.0.0.1"
+    procs = [subprocess.Popen(cmd, env=dict(env, SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_LOCALID=str(r)),
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    assert all(p.returncode == 0 for p in procs), logs
+    assert "on 2 process(es)" in logs[0]

@@ -85,3 +85,32 @@ def test_disk_full_is_a_clear_error_and_keeps_the_previous_checkpoint(tiny, tmp_
         assert checkpoint.verify(root / "step_00000002") is None
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_fresh_sets_earlier_checkpoints_aside_and_never_mixes_runs(tiny, tmp_path):
+    over = tiny + ["strategy.name=single", "checkpoint.keep_last=1", f"train.out_dir={tmp_path}"]
+    run_distributed("tests.workers:train_runs", 1, {"runs": [
+        {"overrides": over + ["train.max_steps=3"]},
+        {"overrides": over + ["train.max_steps=1"], "fresh": True},
+    ]})
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    assert checkpoint.find_resumable(tmp_path) == root / "step_00000001"
+    (aside,) = tmp_path.glob("checkpoints.before-*")
+    assert (aside / "step_00000003" / "meta.json").is_file()  # nothing saved is lost
+
+
+def test_resume_from_an_imported_checkpoint(tiny, tmp_path):
+    """`zerodp convert model.safetensors run/checkpoints/step_00000002 --to zerodp`, then train resumes."""
+    from zerodp.convert import open_checkpoint, write_zerodp
+
+    over = tiny + ["strategy.name=ddp", "train.max_steps=3"]
+    run_distributed("tests.workers:train_runs", 1, {"runs": [
+        {"overrides": over + ["strategy.name=single", "train.max_steps=2", f"train.out_dir={tmp_path / 'a'}"]}]})
+    with open_checkpoint(tmp_path / "a" / "checkpoints" / "step_00000002" / "model.safetensors") as src:
+        write_zerodp(src, tmp_path / "b" / "checkpoints" / "step_00000002", step=2, progress=False)
+    (got,) = run_distributed("tests.workers:train_runs", 2, {"runs": [
+        {"overrides": over + [f"train.out_dir={tmp_path / 'b'}"], "fresh": False}]})[0]
+    assert len(got["losses"]) == 1  # resumed at step 2, trained step 3
+    records = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 3 and records[-1]["tokens"] == 3 * 12 * 32

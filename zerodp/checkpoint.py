@@ -117,7 +117,7 @@ def _publish(tmp: Path, final: Path, root: Path, trainer_state: dict, meta: dict
         shutil.rmtree(final)
     os.replace(tmp, final)
     _write_atomic(root / "latest", final.name + "\n")
-    _apply_retention(root, keep_last)
+    _apply_retention(root, keep_last, final)
 
 
 def _attempt(fn) -> str | None:
@@ -153,12 +153,14 @@ def _agree(error: str | None, tmp: Path, step: int, root: Path) -> None:
                           f"({kept})")
 
 
-def _apply_retention(root: Path, keep_last: int) -> None:
-    """Delete complete checkpoints beyond the newest `keep_last`; never the newest intact one."""
+def _apply_retention(root: Path, keep_last: int, current: Path) -> None:
+    """Delete complete checkpoints older than the newest `keep_last` up to `current` (just published,
+    never deleted). Later-numbered folders (skipped as broken at resume) are left for inspection."""
     complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-                      and (p / META).exists())
+                      and (p / META).exists() and p.name <= current.name)
     for old in complete[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != current:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def verify(ckpt: Path, deep: bool = True) -> str | None:

@@ -34,9 +34,12 @@ def _run_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
         return _dry_run(cfg)
+    import torch.distributed as dist
+
     from zerodp.train import train
 
     train(cfg, fresh=args.fresh)
+    dist.destroy_process_group()  # only after success: with a dead peer, teardown itself could block
     return 0
 
 
@@ -67,9 +70,10 @@ def _dry_run(cfg) -> int:
     accum = cfg.check_batch_split(world)
     use_cuda = torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
-    resolved, plan = resolve_strategy(cfg, world, device)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
+    resolved, plan = resolve_strategy(cfg, world, device, local)
     if plan is None:
-        memory, name = device_memory(device)
+        memory, name = device_memory(device, local)
         plan = plan_for_training(cfg, world, memory, name)
     if os.environ.get("RANK", "0") == "0":
         print(plan.table())

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +73,7 @@ class OptimConfig:
     warmup_steps: int = 10
     """Linear warmup from 0 to lr over this many optimizer steps."""
     decay_steps: Optional[int] = None
-    """Steps of the cosine decay after warmup; default: train.max_steps."""
+    """Steps of the cosine decay after warmup; default: train.max_steps - warmup_steps."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not biases, norms or embeddings)."""
     beta1: float = 0.9
@@ -323,6 +324,8 @@ def _coerce(where: str, key: str, value: Any, typ: Any) -> Any:
             return value
         raise ConfigError(f"{key} in {where} must be a string, got {value!r}")
     if typ is dict:
+        if value is None:  # an empty YAML section (`deepspeed:`)
+            return {}
         if isinstance(value, dict):
             return _numbers(value)
         raise ConfigError(f"{key} in {where} must be a mapping, got {value!r}")
@@ -330,16 +333,17 @@ def _coerce(where: str, key: str, value: Any, typ: Any) -> Any:
 
 
 def _numbers(value: Any) -> Any:
-    """Recursively turn number-like strings (YAML 1.1's '1e6') into numbers in a free-form mapping."""
+    """Recursively turn number-like strings (YAML 1.1 reads 1e6 and 3e-4 as strings) into numbers in a
+    free-form mapping. Only plain decimal forms: 'inf', 'nan' or '1_000' stay strings."""
     if isinstance(value, dict):
         return {k: _numbers(v) for k, v in value.items()}
-    if isinstance(value, str):
-        try:
-            f = float(value)
-        except ValueError:
-            return value
-        return int(f) if f.is_integer() and "e" in value.lower() else f if not value.isdigit() else int(value)
-    return value
+    if not isinstance(value, str) or not _NUMBER.fullmatch(value):
+        return value
+    number = float(value)
+    return int(number) if number.is_integer() and not ("." in value) else number
+
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def _unknown(key: str, valid, where: str) -> ConfigError:
@@ -395,7 +399,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if not p.is_file():
             raise ConfigError(f"config file {p} not found; pass a path such as configs/tiny.yaml")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p} is not UTF-8 text; save the config as UTF-8 YAML") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -410,7 +416,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         if not isinstance(body, dict):
             body = raw[section] = {}
         if section == "strategy" and key.startswith("deepspeed."):
-            _set_nested(body.setdefault("deepspeed", {}), key.split(".")[1:], value)
+            _set_nested(body, key.split("."), value)
         else:
             body[key] = value
     cfg = from_dict(raw, where if not overrides else f"{where} (with overrides)")
@@ -418,8 +424,15 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
 
 
 def _set_nested(d: dict, keys: list[str], value: Any) -> None:
-    for k in keys[:-1]:
-        d = d.setdefault(k, {})
+    """d[k0][k1]...[kn] = value for an override strategy.deepspeed.a.b=value, creating mappings."""
+    for i, k in enumerate(keys[:-1]):
+        if d.get(k) is None:
+            d[k] = {}
+        if not isinstance(d[k], dict):
+            path = ".".join(["strategy", *keys[: i + 1]])
+            raise ConfigError(f"{path} is {d[k]!r}, not a mapping, so strategy.{'.'.join(keys)} cannot be set "
+                              f"inside it; remove one of the two settings")
+        d = d[k]
     d[keys[-1]] = value
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import socket
 import sysconfig
 import threading
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -67,8 +69,11 @@ def _tokenize_to_cache(cfg: Config) -> Path:
         total += len(data)
         if total >= cfg.data.max_bytes:
             break
+    if total == 0:
+        raise UserError(f"data.source {cfg.data.source!r} holds no text (its files are empty); point it at text")
     tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.uint16)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    # unique per process and host: ranks of several nodes may share the cache folder
+    tmp = out.with_suffix(f".tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tokens.tofile(tmp)
     os.replace(tmp, out)  # atomic: ranks racing to build the cache all publish the same bytes
     return out
@@ -81,6 +86,8 @@ def load_tokens(cfg: Config) -> np.ndarray:
         path, dtype = Path(src), np.dtype(cfg.data.token_dtype)
         if not path.is_file():
             raise UserError(f"data.source {src} not found; give the path of a pre-tokenized .bin file")
+        if path.stat().st_size == 0:
+            raise UserError(f"data.source {src} is empty; give a .bin file of {dtype.name} token ids")
         if path.stat().st_size % dtype.itemsize:
             raise UserError(f"{src} is not a whole number of {dtype.name} tokens; check data.token_dtype")
     else:
@@ -138,22 +145,27 @@ def prefetch(batches: TokenBatches, steps: range, cfg: Config, rank: int, world:
     stop = threading.Event()
 
     def work():
-        for s in steps:
-            item = (s, batches.rank_micro_batches(s, t.global_batch_size, t.micro_batch_size, rank, world))
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
-                return
-        q.put(None)
+        try:
+            for s in steps:
+                item = (s, batches.rank_micro_batches(s, t.global_batch_size, t.micro_batch_size, rank, world))
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(None)
+        except BaseException as e:  # hand it to the training thread: a dead producer must not hang it
+            q.put(e)
 
     thread = threading.Thread(target=work, daemon=True, name="zerodp-prefetch")
     thread.start()
     try:
         while (item := q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
             yield item
     finally:
         stop.set()

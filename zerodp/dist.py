@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zerodp.errors import UserError
+
 
 @dataclass
 class DistEnv:
@@ -22,6 +24,13 @@ class DistEnv:
     local_rank: int
     device: torch.device
     host: str
+    hosts: list[str]
+    """Every rank's host name, by rank."""
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks on this rank's node (from the host names: launchers disagree on the variable)."""
+        return self.hosts.count(self.host)
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -31,15 +40,25 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
+# Where each launcher puts rank, world size and local rank: torchrun and the deepspeed launcher (RANK...),
+# srun (SLURM_*), mpirun / DeepSpeed's openmpi runner (OMPI_COMM_WORLD_*).
+RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
 def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv:
     """Initialise (or reuse) the default process group; a world of one when no launcher set one up."""
-    rank = _env_int("RANK", "SLURM_PROCID", default=0)
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
-    local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    rank = _env_int(*RANK_VARS, default=0)
+    world = _env_int(*WORLD_VARS, default=1)
+    local_rank = _env_int(*LOCAL_RANK_VARS, default=0)
+    if world > 1 and "MASTER_ADDR" not in os.environ and not dist.is_initialized():
+        raise UserError(
+            f"this process is rank {rank} of {world} but MASTER_ADDR is not set, so the ranks cannot find each "
+            f"other; export MASTER_ADDR (the first node's address) and MASTER_PORT, e.g. under Slurm "
+            f"MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1) MASTER_PORT=29500")
     use_cuda = torch.cuda.is_available() and device_pref in ("auto", "cuda")
     if device_pref == "cuda" and not torch.cuda.is_available():
-        from zerodp.errors import UserError
-
         raise UserError("train.device=cuda but no CUDA device is visible; set train.device=auto or cpu")
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -48,21 +67,25 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        if "OMP_NUM_THREADS" not in os.environ:  # ranks of one node share its cores: no oversubscription
-            local_world = _env_int("LOCAL_WORLD_SIZE", default=world if world <= (os.cpu_count() or 1) else 1)
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
-        if "MASTER_ADDR" not in os.environ:  # one plain process: an in-memory store is enough
-            store = dist.HashStore()
-            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        os.environ.setdefault("MASTER_PORT", "29500")
+        if world == 1 and "MASTER_ADDR" not in os.environ:  # one plain process: an in-memory store is enough
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
             store = _elastic_store(rank, world, timeout)
             if store is None:
                 dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
             else:
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    return DistEnv(rank, world, local_rank, device, socket.gethostname())
+    host = socket.gethostname()
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, host)
+    env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, host, hosts)
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # ranks of one node share its cores: no oversubscription
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    return env
 
 
 def _elastic_store(rank: int, world: int, timeout: datetime.timedelta):

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import statistics
@@ -82,12 +83,16 @@ class Heartbeat:
         behind = []
         if self.store is not None:
             try:
-                self.store.set_timeout(__import__("datetime").timedelta(seconds=5))
+                self.store.set_timeout(datetime.timedelta(seconds=5))
                 now = time.time()
                 for r in range(self.world_size):
+                    key = f"zerodp/heartbeat/{r}"
                     if r == self.rank:
                         continue
-                    last_step, when = self.store.get(f"zerodp/heartbeat/{r}").decode().split(":")
+                    if not self.store.check([key]):
+                        behind.append(f"rank {r} on {self.hosts[r]} (never reported a step)")
+                        continue
+                    last_step, when = self.store.get(key).decode().split(":")
                     if int(last_step) < step + 1:  # it never finished the step we are in
                         behind.append(f"rank {r} on {self.hosts[r]} (last finished step {last_step}, "
                                       f"{now - float(when):.0f}s ago)")

@@ -27,28 +27,28 @@ def log(env: DistEnv, msg: str) -> None:
         print(f"zerodp: {msg}", file=sys.stderr, flush=True)
 
 
-def device_memory(device: torch.device) -> tuple[int, str]:
+def device_memory(device: torch.device, local_world_size: int = 1) -> tuple[int, str]:
     """Memory one rank may use and the device's name: the GPU's, or this node's RAM shared by its ranks."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return props.total_memory, props.name
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ram // max(1, local_ranks), "cpu"
+    return ram // max(1, local_world_size), "cpu"
 
 
-def resolve_strategy(cfg: Config, world_size: int, device: torch.device) -> tuple[Config, object]:
+def resolve_strategy(cfg: Config, world_size: int, device: torch.device, local_world_size: int = 1):
     """The config to run: as given, or for strategy.name=auto with the planner's choice applied.
 
-    Returns (config, plan); plan is None unless the planner chose."""
+    Returns (config, plan); plan is None unless the planner chose. Pure: no collectives."""
     if cfg.strategy.name == "single" and world_size > 1:
         raise UserError(f"strategy.name=single cannot run on {world_size} processes; use ddp (or launch one process)")
     if cfg.strategy.name != "auto":
         return cfg, None
     from zerodp.planner import plan_for_training
 
-    memory, name = device_memory(device)
-    plan = plan_for_training(cfg, world_size, memory, name)
+    memory, name = device_memory(device, local_world_size)
+    per_node = local_world_size if world_size % local_world_size == 0 else None
+    plan = plan_for_training(cfg, world_size, memory, name, gpus_per_node=per_node)
     if plan.choice is None:
         raise UserError(f"strategy.name=auto: nothing fits in {memory / 1e9:.1f} GB per rank on {world_size} "
                         f"rank(s). {plan.suggestion or 'Use more GPUs, a smaller micro batch or a smaller model.'}")
@@ -58,6 +58,23 @@ def resolve_strategy(cfg: Config, world_size: int, device: torch.device) -> tupl
     cfg.strategy.offload_params = plan.offload_params
     cfg.model.activation_checkpointing = plan.activation_checkpointing
     return cfg, plan
+
+
+def agree(env: DistEnv, fn):
+    """Run `fn` on every rank; if it raised a UserError on any rank, raise it on all of them (rank 0
+    prints it), so that no rank is left waiting in a collective for one that gave up."""
+    error = None
+    try:
+        result = fn()
+    except UserError as e:
+        error, result = str(e), None
+    errors = [None] * env.world_size
+    dist.all_gather_object(errors, error)
+    first = next(((r, e) for r, e in enumerate(errors) if e), None)
+    if first is not None:
+        r, e = first
+        raise UserError(e if r == 0 or env.world_size == 1 else f"on rank {r} ({env.hosts[r]}): {e}")
+    return result
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -90,23 +107,34 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     bytes rank-local state held at start, and with `return_weights` the final full fp32 weights."""
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
     grad_accum = cfg.check_batch_split(env.world_size)
-    cfg, plan = resolve_strategy(cfg, env.world_size, env.device)
+    # Rank 0 plans and every rank runs its choice (nodes could report different memory).
+    planned = agree(env, lambda: resolve_strategy(cfg, env.world_size, env.device, env.local_world_size)
+                    if env.rank == 0 else None)
+    cfg, plan = broadcast_object(planned)
     name = cfg.strategy.name
     out_dir = Path(cfg.train.out_dir)
-    check_out_dir(out_dir)  # every rank: a rank that cannot write must not leave the others waiting
+    if fresh and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        fresh = False  # a restarted attempt continues the run its first attempt started fresh
+        log(env, "restarted attempt: --fresh ignored, resuming from the newest checkpoint")
+
+    def inputs():  # on every rank: each checks its own file system
+        check_out_dir(out_dir)
+        tokens = load_tokens(cfg)  # before the model: a bad data source fails fast
+        return TokenBatches(tokens, cfg, "train"), TokenBatches(tokens, cfg, "val")
+
+    train_data, val_data = agree(env, inputs)
     if env.rank == 0:
+        if fresh:
+            _set_aside_checkpoints(env, out_dir)
         (out_dir / "config.yaml").write_text(dump_yaml(cfg))  # resolved: auto replaced by the choice
     dist.barrier()
-
-    tokens = load_tokens(cfg)  # before the model: a bad data source fails fast
-    train_data, val_data = TokenBatches(tokens, cfg, "train"), TokenBatches(tokens, cfg, "val")
     if plan is not None:  # after the input checks: a bad input stays a one-line error
         log(env, "strategy.name=auto, the planner's table:\n" + plan.table())
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     model = GPT(cfg.model)
     strategy = make_strategy(name)
-    ctx = RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, grad_accum)
+    ctx = RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, grad_accum, env.local_world_size)
     strategy.setup(model, ctx)
     log(env, f"strategy {name} on {env.world_size} process(es), {param_count(cfg.model):,} parameters, "
              f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
@@ -120,7 +148,9 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         found = broadcast_object(str(found) if found else None)
         if found:
             state = checkpoint.load(strategy, Path(found), env.world_size)
-            start, tokens_seen = state["step"], state["tokens"]
+            # an imported checkpoint (zerodp convert --to zerodp) records the step only
+            start = state["step"]
+            tokens_seen = state.get("tokens", start * cfg.train.global_batch_size * cfg.model.block_size)
             saved = checkpoint.read_meta(Path(found))
             log(env, f"resumed from {found} at step {start} (saved by {saved['strategy']} on "
                      f"{saved['world_size']} process(es))")
@@ -132,10 +162,9 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     metrics_path = out_dir / "metrics.jsonl"
     if env.rank == 0:
         _truncate_metrics(metrics_path, start)
-    hosts = [None] * env.world_size
-    dist.all_gather_object(hosts, env.host)
-    heartbeat = Heartbeat(env.rank, env.world_size, hosts)
-    stragglers = StragglerMonitor(hosts, cfg.train.straggler_margin, cfg.train.straggler_patience)
+    heartbeat = Heartbeat(env.rank, env.world_size, env.hosts)
+    heartbeat.beat(start)  # a peer lost during the first step is named too
+    stragglers = StragglerMonitor(env.hosts, cfg.train.straggler_margin, cfg.train.straggler_patience)
     preemption = Preemption(cfg.train.preempt_grace_s)
     bar = _progress(cfg, env, start)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
@@ -302,6 +331,16 @@ def _is_collective_failure(e: BaseException) -> bool:
     text = str(e)
     return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Timed out",
                                    "timed out", "Gloo", "NCCL", "connectFullMesh"))
+
+
+def _set_aside_checkpoints(env: DistEnv, out_dir: Path) -> None:
+    """--fresh: move an earlier run's checkpoints aside (never delete what was saved), so that neither
+    resume nor retention ever mixes them with the new run's."""
+    root = checkpoint.checkpoint_root(out_dir)
+    if root.is_dir() and any(root.iterdir()):
+        aside = out_dir / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(root, aside)
+        log(env, f"--fresh: moved the earlier checkpoints to {aside}")
 
 
 def _truncate_metrics(path: Path, start: int) -> None:

@@ -1,8 +1,7 @@
 """`zerodp plan`: will it fit, and how should I run it?
 
-The lead's zerodp/cli.py registers the subcommand with `add_parser(subparsers)` and calls
-`run(args)`. `python -m zerodp.planner.cli plan ...` works on its own, with the same error handling
-(UserError -> one line on stderr, exit 2). Imports neither torch nor deepspeed.
+zerodp/cli.py registers the subcommand with `add_parser(subparsers)` and calls `run(args)`;
+`python -m zerodp.planner.cli plan ...` is the same command. Imports neither torch nor deepspeed.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from zerodp.planner.units import parse_bytes, parse_count
 
 EXAMPLES = """examples:
   zerodp plan --model llama2-7b --gpus 8 --hbm 80GB
-  zerodp plan --config configs/gpt2.yaml --gpus 8 --nodes 2 --gpu a100
+  zerodp plan --config configs/gpt2-124m.yaml --gpus 8 --nodes 2 --gpu a100
   zerodp plan --hf-config path/to/config.json --gpus 4 --gpu h100 --micro-batch 2 --seq-len 4096 --json
   zerodp plan --params 13e9 --layers 40 --hidden 5120 --gpus 8 --cpu-ram 1TB
 """

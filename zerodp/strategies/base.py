@@ -40,6 +40,8 @@ class RunContext:
     local_rank: int
     device: torch.device
     grad_accum_steps: int
+    local_world_size: int = 1
+    """Ranks on this node (the shard group of FSDP's hybrid sharding by default)."""
 
 
 class Strategy(Protocol):

@@ -5,7 +5,8 @@ shard seen here is unpadded). Each transformer block is one FSDP unit, the root 
 (the tied wte/lm_head weight, wpe, ln_f). A unit's parameters are all-gathered before its forward,
 freed after it when `reshard_after_forward` (ZeRO-3-like) or kept until backward (ZeRO-2-like),
 all-gathered again in backward if they were freed, and its gradients are reduce-scattered (averaged)
-once per optimizer step.
+every micro batch into the sharded gradients (once per optimizer step with
+strategy.fsdp_defer_grad_reduce, at the cost of keeping unsharded gradients between micro batches).
 
 Precision: the sharded fp32 parameters are the master weights. For bf16/fp16 FSDP casts the gathered
 parameters to 16 bits for compute and reduce-scatters gradients in fp32 into fp32 gradient shards; the
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -63,7 +63,7 @@ def device_mesh(ctx: RunContext):
     s = ctx.cfg.strategy
     if not s.hybrid_shard:
         return init_device_mesh(ctx.device.type, (ctx.world_size,))
-    group = s.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    group = s.shard_group_size or ctx.local_world_size
     if ctx.world_size % group:
         raise UserError(f"strategy.shard_group_size={group} does not divide the world size {ctx.world_size}; "
                         f"set it to the number of ranks per node (a divisor of {ctx.world_size})")
@@ -212,7 +212,6 @@ class FSDPStrategy:
                        optim_state_dict=state["optim"], options=StateDictOptions())
         if meta.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(meta["scaler"])
-
 
     def load_full(self, state: FullState) -> None:
         """Start from full fp32 tensors (any checkpoint): each rank keeps only its own shard of each.

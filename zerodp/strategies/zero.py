@@ -241,6 +241,9 @@ class ZeroStrategy:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         zero_opt = self.model.optimizer
+        if self.stage != 3 and not hasattr(zero_opt, "single_partition_of_fp32_groups"):
+            raise UserError(f"{type(zero_opt).__name__} (chosen by DeepSpeed for strategy.deepspeed.data_types."
+                            f"grad_accum_dtype) cannot load zerodp checkpoints yet; remove that setting to resume")
         if state.with_optimizer:
             self._create_optimizer_state(state)
         rank = torch.distributed.get_rank()

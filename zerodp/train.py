@@ -154,6 +154,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             saved = checkpoint.read_meta(Path(found))
             log(env, f"resumed from {found} at step {start} (saved by {saved['strategy']} on "
                      f"{saved['world_size']} process(es))")
+    if start >= cfg.train.max_steps:
+        log(env, f"the run is already complete at step {start}; raise train.max_steps to train further")
     if start == 0 and cfg.model.init_from:
         checkpoint.init_from(strategy, cfg.model.init_from)
         log(env, f"initialised the weights from {cfg.model.init_from}")
@@ -170,7 +172,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
     losses: dict[int, float] = {}
     stopped_early = False
-    step = start
+    step, done = start, start
     t_end = time.perf_counter()
     strategy.model.train()
     try:
@@ -234,7 +236,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
                  + (f"; stragglers: {stragglers.reported}" if stragglers.reported else ""))
 
     summary = {"strategy": name, "world_size": env.world_size, "losses": losses, "preempted": stopped_early,
-               "final_step": step + 1, "state_bytes": held, "straggler_wait_s": stragglers.waited_s}
+               "final_step": done, "state_bytes": held, "straggler_wait_s": stragglers.waited_s}
     if return_weights:
         summary["weights"] = strategy.full_state_dict()
     if cfg.train.sample_tokens and not stopped_early:

@@ -196,6 +196,7 @@ def write_safetensors_file(path: Path, names: list[str], infos: dict[str, Tensor
             i = infos[n]
             assert t.dtype == i.dtype and tuple(t.shape) == i.shape, (n, t.dtype, t.shape, i)
             f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del t  # before the next fetch: one tensor in memory at a time, not two
             if on_bytes:
                 on_bytes(i.nbytes)
     tmp.replace(path)

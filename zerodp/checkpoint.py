@@ -202,19 +202,16 @@ def read_meta(ckpt: Path) -> dict:
     return json.loads((ckpt / META).read_text())
 
 
-REPLICATED = ("single", "ddp")  # strategies that save the canonical, topology-free layout
-
-
 def load(strategy, ckpt: Path, world_size: int) -> dict:
     """Collective: restore the strategy from `ckpt`, whatever strategy and world size saved it; return
     the trainer state.
 
-    The strategy's own loader is used when it can read the files (same strategy and world size, or the
-    canonical layout of single/ddp); otherwise the checkpoint is read as full fp32 tensors per parameter
+    The strategy's own loader is used when it can read the files (same strategy and world size, or a
+    canonical, topology-free layout read by a strategy that writes one); otherwise the checkpoint is read as full fp32 tensors per parameter
     (weights, AdamW moments and step, via zerodp.convert) and each rank keeps its own part."""
     meta = read_meta(ckpt)
     same = meta["strategy"] == strategy.name and meta["world_size"] == world_size
-    if same or (meta["strategy"] in REPLICATED and strategy.name in REPLICATED):
+    if same or meta.get("layout") == strategy.layout == "canonical":
         strategy.load(ckpt)
     else:
         from zerodp.convert import open_checkpoint

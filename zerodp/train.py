@@ -87,11 +87,12 @@ def check_out_dir(out_dir: Path) -> None:
         raise UserError(f"train.out_dir {out_dir} is not writable ({e.strerror}); choose a directory you can write to") from None
 
 
-def run_metadata(cfg: Config, strategy_name: str, env: DistEnv, model: torch.nn.Module) -> dict:
+def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, model: torch.nn.Module) -> dict:
     """What conversion and resume need to know about a checkpoint, besides its files."""
     return {
         "strategy": strategy_name,
         "world_size": env.world_size,
+        "layout": layout,
         "precision": cfg.train.precision,
         "config": cfg.to_dict(),
         "params": {n: {"shape": list(p.shape), "dtype": "float32"} for n, p in model.named_parameters()},
@@ -159,7 +160,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     if start == 0 and cfg.model.init_from:
         checkpoint.init_from(strategy, cfg.model.init_from)
         log(env, f"initialised the weights from {cfg.model.init_from}")
-    meta = run_metadata(cfg, name, env, model)
+    meta = run_metadata(cfg, name, strategy.layout, env, model)
 
     metrics_path = out_dir / "metrics.jsonl"
     if env.rank == 0:

@@ -141,7 +141,7 @@ def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = N
     (dst / "trainer.json").write_text(json.dumps(trainer, indent=1))
     files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(dst.iterdir())}
     meta = {
-        "strategy": "single", "world_size": 1,
+        "strategy": "single", "world_size": 1, "layout": "canonical",
         "precision": source.meta.get("precision", "fp32"),
         "config": source.meta.get("config") or {},
         "params": {n: {"shape": list(infos[n].shape), "dtype": "float32"} for n in names},

@@ -46,6 +46,9 @@ class RunContext:
 
 class Strategy(Protocol):
     name: str
+    layout: str
+    """What `save` writes: "canonical" (full fp32 tensors by name, any topology reads it), "deepspeed"
+    or "dcp"; recorded in meta.json."""
     model: nn.Module
     """The module the loop calls: `loss = strategy.model(x, y)`; wrapped (DDP, engine, FSDP) as needed."""
 

@@ -23,6 +23,7 @@ from zerodp.strategies.common import (FullState, autocast_context, load_full_rep
 
 class DDPStrategy:
     name = "ddp"
+    layout = "canonical"
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx

@@ -94,6 +94,7 @@ def apply_fsdp(model: nn.Module, ctx: RunContext) -> nn.Module:
 
 class FSDPStrategy:
     name = "fsdp"
+    layout = "dcp"
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx

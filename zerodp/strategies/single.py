@@ -16,6 +16,7 @@ from zerodp.strategies.common import (FullState, autocast_context, load_full_rep
 
 class SingleStrategy:
     name = "single"
+    layout = "canonical"
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx

@@ -136,6 +136,8 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 class ZeroStrategy:
+    layout = "deepspeed"
+
     def __init__(self, stage: int):
         assert stage in (1, 2, 3), stage
         self.stage = stage

@@ -7,11 +7,10 @@ peak for 16-bit and plain fp32 peak (torch does not use TF32 for matmuls by defa
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Optional
 
-from zerodp.errors import UserError
+from zerodp.planner.units import lookup
 
 
 @dataclass(frozen=True)
@@ -57,13 +56,7 @@ MFU = 0.40
 
 def gpu_preset(name: str) -> GpuSpec:
     """The GPU preset `name` (case-insensitive); UserError naming the known ones."""
-    key = name.strip().lower()
-    if key not in GPUS:
-        close = difflib.get_close_matches(key, list(GPUS), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise UserError(f"unknown GPU {name!r}; {hint}known GPUs: {', '.join(GPUS)} "
-                        f"(or give its memory with --hbm, e.g. --hbm 80GB)")
-    return GPUS[key]
+    return lookup(GPUS, name, "GPU", "or give its memory with --hbm, e.g. --hbm 80GB")
 
 
 def gpu_from_device_name(device_name: str, memory_bytes: int) -> tuple[GpuSpec, Optional[str]]:

@@ -5,13 +5,13 @@ Everything here is arithmetic on a few integers; no model is built and torch is 
 
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from zerodp.errors import UserError
+from zerodp.planner.units import lookup
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,7 @@ PRESETS = {
 
 def preset(name: str) -> ModelSpec:
     """The built-in model called `name` (case-insensitive); UserError naming the known ones."""
-    key = name.strip().lower()
-    if key not in PRESETS:
-        close = difflib.get_close_matches(key, list(PRESETS), n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise UserError(f"unknown model {name!r}; {hint}known models: {', '.join(PRESETS)} "
-                        f"(or describe it with --hf-config config.json or --params 7e9)")
-    return PRESETS[key]()
+    return lookup(PRESETS, name, "model", "or describe it with --hf-config config.json or --params 7e9")()
 
 
 _SUPPORTED_HF = ("gpt2", "llama", "mistral", "qwen2")

@@ -6,6 +6,7 @@ number of bytes is refused because users mean one or the other and guessing woul
 
 from __future__ import annotations
 
+import difflib
 import re
 
 from zerodp.errors import UserError
@@ -61,3 +62,13 @@ def human_count(n: int) -> str:
 def seconds(s: float) -> str:
     """A duration as '850 ms' or '1.23 s'."""
     return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def lookup(table: dict, name: str, what: str, otherwise: str):
+    """table[name] (case-insensitive), or a UserError naming the closest key and all known ones."""
+    key = name.strip().lower()
+    if key not in table:
+        close = difflib.get_close_matches(key, list(table), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UserError(f"unknown {what} {name!r}; {hint}known {what}s: {', '.join(table)} ({otherwise})")
+    return table[key]

@@ -32,13 +32,19 @@ def test_every_strategy_matches_single_process_adamw(tiny, tmp_path, world):
         for name in STRATEGIES:
             runs.append({"overrides": over + [f"strategy.name={name}", f"train.out_dir={tmp_path / f'{name}{accum}'}"]})
             expected.append((name, accum, ref))
+        if accum == 2 and world == 2:  # activation checkpointing under every strategy
+            for name in STRATEGIES:
+                runs.append({"overrides": over + [f"strategy.name={name}", "model.activation_checkpointing=true",
+                                                  f"train.out_dir={tmp_path / f'{name}-ac'}"]})
+                expected.append((f"{name}+ac", accum, ref))
     results = run_distributed("tests.workers:train_runs", world, {"runs": runs})[0]
     report = []
     for got, (name, accum, (ref_losses, ref_weights)) in zip(results, expected):
         loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref_losses))
         weight_diff = max((got["weights"][k] - ref_weights[k]).abs().max().item() for k in ref_weights)
         assert got["weights"].keys() == ref_weights.keys(), name
-        report.append(f"{name:6s} world={world} accum={accum}: max |loss diff| {loss_diff:.2e}, "
+        assert got["strategy"] == name.split("+")[0]
+        report.append(f"{name:9s} world={world} accum={accum}: max |loss diff| {loss_diff:.2e}, "
                       f"max |param diff| {weight_diff:.2e}")
         assert len(got["losses"]) == STEPS
     print("\n".join(report))

@@ -7,9 +7,10 @@ Layout of one checkpoint (`<out_dir>/checkpoints/step_00000100/`):
     rng_rank{r}.safetensors   each rank's RNG state
     ...                the strategy's own files (safetensors for single/ddp, DeepSpeed's files for ZeRO,
                        a torch.distributed.checkpoint folder for FSDP)
-Every rank writes into `step_XXXXXXXX.tmp/`; after a barrier rank 0 writes the manifest, fsyncs, renames
-the folder to its final name and only then moves `latest`. A crash at any point leaves either the
-previous checkpoint as newest or a `.tmp` folder that is never mistaken for a checkpoint.
+Every rank writes into `step_XXXXXXXX.tmp/`; then the ranks share the fsync and sha256 of the files,
+rank 0 writes the manifest, renames the folder to its final name and only then moves `latest`. A crash
+at any point leaves either the previous checkpoint as newest or a `.tmp` folder that is never mistaken
+for a checkpoint.
 """
 
 from __future__ import annotations
@@ -48,16 +49,17 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _fsync_tree(root: Path, files: list[Path]) -> None:
+    """fsync `files` and every folder under `root` (the data files were synced by their ranks)."""
+    for p in files:
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    for d in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -77,15 +79,21 @@ def save(strategy, out_dir: str | Path, step: int, trainer_state: dict, meta: di
     root = checkpoint_root(out_dir)
     final = root / step_dir_name(step)
     tmp = root / (step_dir_name(step) + ".tmp")
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     error = None
     if rank == 0:
         error = _attempt(lambda: _fresh_dir(tmp))
     _agree(error, tmp, step, root)
-    error = _attempt(lambda: _write_rank_files(strategy, tmp, rank))
+    error = _attempt(lambda: _write_rank_files(strategy, tmp, rank, trainer_state))
     _agree(error, tmp, step, root)  # every rank's files are on disk
+    share: dict = {}
+    error = _attempt(lambda: share.update(_manifest_share(tmp, rank, world)))
+    _agree(error, tmp, step, root)
+    shares = [None] * world
+    dist.all_gather_object(shares, share)
     if rank == 0:
-        error = _attempt(lambda: _publish(tmp, final, root, trainer_state, meta, step, keep_last))
+        files = {rel: info for part in shares for rel, info in part.items()}
+        error = _attempt(lambda: _publish(tmp, final, root, dict(sorted(files.items())), meta, step, keep_last))
     _agree(error, tmp, step, root)
     return final
 
@@ -96,23 +104,32 @@ def _fresh_dir(tmp: Path) -> None:
     tmp.mkdir(parents=True)
 
 
-def _write_rank_files(strategy, tmp: Path, rank: int) -> None:
+def _write_rank_files(strategy, tmp: Path, rank: int, trainer_state: dict) -> None:
     strategy.save(tmp)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     save_file(rng, tmp / f"rng_rank{rank}.safetensors")
+    if rank == 0:
+        (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
 
 
-def _publish(tmp: Path, final: Path, root: Path, trainer_state: dict, meta: dict, step: int, keep_last: int) -> None:
-    (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=1))
-    files = {}
-    for p in sorted(tmp.rglob("*")):
-        if p.is_file():
-            files[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+def _manifest_share(tmp: Path, rank: int, world: int) -> dict:
+    """fsync and hash every world-th file of the folder: the ranks share the work, which for a large
+    model's checkpoint is terabytes that one rank would take hours to read."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    share = {}
+    for p in files[rank::world]:
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+        share[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    return share
+
+
+def _publish(tmp: Path, final: Path, root: Path, files: dict, meta: dict, step: int, keep_last: int) -> None:
     meta = dict(meta, format_version=FORMAT_VERSION, step=step, files=files)
     (tmp / META).write_text(json.dumps(meta, indent=1))
-    _fsync_tree(tmp)
+    _fsync_tree(tmp, [tmp / META])
     if final.exists():  # a complete checkpoint of the same step from an earlier attempt
         shutil.rmtree(final)
     os.replace(tmp, final)

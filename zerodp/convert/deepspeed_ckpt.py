@@ -171,7 +171,7 @@ class DeepSpeedSource(CheckpointSource):
                 offset = 0
                 for i, (name, shape) in enumerate(shapes.items()):
                     n = _numel(shape)
-                    self.pieces[name] = self._split(offset, n, starts, g)
+                    self.pieces[name] = [(r, g, at, k) for r, at, k in self._overlaps(offset, n, starts)]
                     self.group_of[name] = g
                     offset += n + (paddings[g][i] if paddings else 0)
                 align = 2 * self.world
@@ -192,7 +192,7 @@ class DeepSpeedSource(CheckpointSource):
                     for r in range(self.world):
                         take = min(part, left)
                         if take > 0:
-                            pieces += self._split_groups(r, offset, take, gstarts)
+                            pieces += [(r, g, at, k) for g, at, k in self._overlaps(offset, take, gstarts)]
                         left -= take
                     self.pieces[name] = pieces
                     self.group_of[name] = next(g for g in range(len(lengths[0])) if gstarts[g] <= offset < gstarts[g + 1]) \
@@ -203,22 +203,14 @@ class DeepSpeedSource(CheckpointSource):
                                       f"{offset}; the files do not belong together")
 
     @staticmethod
-    def _split(offset: int, n: int, starts: list[int], g: int) -> list[tuple[int, int, int, int]]:
-        """Pieces of global range [offset, offset+n) of group g over ranks whose slices begin at starts."""
+    def _overlaps(offset: int, n: int, bounds: list[int]) -> list[tuple[int, int, int]]:
+        """(i, start inside slice i, length) for each slice [bounds[i], bounds[i+1]) that the range
+        [offset, offset+n) overlaps: a parameter cut over ranks, or a rank's share cut over groups."""
         out, end = [], offset + n
-        for r in range(len(starts) - 1):
-            lo, hi = max(offset, starts[r]), min(end, starts[r + 1])
+        for i in range(len(bounds) - 1):
+            lo, hi = max(offset, bounds[i]), min(end, bounds[i + 1])
             if lo < hi:
-                out.append((r, g, lo - starts[r], hi - lo))
-        return out
-
-    @staticmethod
-    def _split_groups(r: int, offset: int, n: int, gstarts: list[int]) -> list[tuple[int, int, int, int]]:
-        out, end = [], offset + n
-        for g in range(len(gstarts) - 1):
-            lo, hi = max(offset, gstarts[g]), min(end, gstarts[g + 1])
-            if lo < hi:
-                out.append((r, g, lo - gstarts[g], hi - lo))
+                out.append((i, lo - bounds[i], hi - lo))
         return out
 
     def _load_frozen(self, ms: dict) -> dict[str, torch.Tensor]:

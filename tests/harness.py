@@ -86,7 +86,7 @@ def _run_once(target: str, world_size: int, kwargs: dict | None, timeout: float,
 def _worker_main() -> None:
     import importlib
 
-    from zerodp.dist import init_distributed
+    from zerodp.dist import init_distributed, shutdown
 
     target, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     torch.set_num_threads(1)
@@ -99,7 +99,8 @@ def _worker_main() -> None:
     if isinstance(result, dict) and result.get("no_barrier"):
         os._exit(0)  # its peer is gone: no collective can complete
     dist.barrier()
-    dist.destroy_process_group()
+    del result
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -34,12 +34,11 @@ def _run_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
         return _dry_run(cfg)
-    import torch.distributed as dist
-
+    from zerodp.dist import shutdown
     from zerodp.train import train
 
     train(cfg, fresh=args.fresh)
-    dist.destroy_process_group()  # only after success: with a dead peer, teardown itself could block
+    shutdown()  # only after success: with a dead peer, teardown itself could block
     return 0
 
 

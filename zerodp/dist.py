@@ -123,3 +123,19 @@ def broadcast_object(obj, src: int = 0):
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def shutdown() -> None:
+    """Tear the process groups down while the interpreter is still whole.
+
+    A gloo worker thread that finishes its last collective drops the tensors it held, which takes the
+    GIL; if that happens while Python is finalising, the thread is cancelled inside C++ and the process
+    aborts ("terminate called without an active exception") after a successful run. Collecting the
+    model first (its reference cycles hold the groups) lets destroy_process_group join those threads
+    now. Call it only after success: with a dead peer, teardown itself could block."""
+    import gc
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()

@@ -111,12 +111,23 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"zerodp: error: {e}", file=sys.stderr)
-        return 2
+        return _exit_code(2)
     except PeerFailure as e:
         print(f"zerodp: error: {e}", file=sys.stderr)
-        return 1
+        return _exit_code(1)
     except KeyboardInterrupt:
-        return 130
+        return _exit_code(130)
+
+
+def _exit_code(code: int) -> int:
+    """Leave a failed distributed run with `code` now: a teardown of process groups whose peers may be
+    gone can block, and finalising Python under live communication threads can abort (exit 134)."""
+    dist = sys.modules.get("torch.distributed")  # not imported: nothing to tear down
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -62,6 +62,27 @@ def test_incomplete_and_corrupted_checkpoints_are_skipped(tiny, tmp_path, capsys
     assert "truncated" in checkpoint.verify(root / "step_00000004")
 
 
+def test_resume_lookup_shares_the_sha256_reading_over_ranks(tiny, tmp_path):
+    """Each rank hashes every world-th file of a candidate; a corruption only rank 1 reads is still
+    caught, and both ranks fall back to the same older checkpoint."""
+    over = tiny + ["strategy.name=ddp", "train.max_steps=4", "checkpoint.every=2", f"train.out_dir={tmp_path}"]
+    run_distributed("tests.workers:train_runs", 2, {"runs": [{"overrides": over}]})
+    root = tmp_path / "checkpoints"
+    files = sorted(checkpoint.read_meta(root / "step_00000004")["files"])
+    assert len(files) >= 4
+    victim = root / "step_00000004" / files[1]  # second file in the sorted manifest: rank 1's share
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    results = run_distributed("tests.workers:find_resumable_shared", 2, {"out_dir": str(tmp_path)})
+    assert [r["found"] for r in results] == [str(root / "step_00000002")] * 2
+    assert f"checkpoints/step_00000004/{files[1]}" in results[1]["hashed"]
+    older = [[h for h in r["hashed"] if h.startswith("checkpoints/step_00000002/")] for r in results]
+    assert not set(older[0]) & set(older[1])  # no file hashed twice
+    want = {f"checkpoints/step_00000002/{f}" for f in checkpoint.read_meta(root / "step_00000002")["files"]}
+    assert set(older[0]) | set(older[1]) == want  # and none skipped
+
+
 def test_disk_full_is_a_clear_error_and_keeps_the_previous_checkpoint(tiny, tmp_path):
     """A real full disk: a 1 MiB tmpfs that holds one checkpoint of a model too big for two."""
     import subprocess

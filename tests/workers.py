@@ -94,3 +94,21 @@ def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict
     records = [json.loads(x) for x in (Path(cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()] \
         if dist.get_rank() == 0 else []
     return {"records": records, "straggler_wait_s": summary["straggler_wait_s"]}
+
+
+def find_resumable_shared(out_dir: str) -> dict:
+    """Run the collective resume lookup; report what it found and which files this rank hashed."""
+    from zerodp import checkpoint
+
+    real, hashed = checkpoint.sha256_file, []
+
+    def recording(path):
+        hashed.append(str(Path(path).relative_to(out_dir)))
+        return real(path)
+
+    checkpoint.sha256_file = recording
+    try:
+        found = checkpoint.find_resumable(out_dir)
+    finally:
+        checkpoint.sha256_file = real
+    return {"found": str(found), "hashed": hashed}

@@ -180,8 +180,11 @@ def _apply_retention(root: Path, keep_last: int, current: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def verify(ckpt: Path, deep: bool = True) -> str | None:
-    """Return None if `ckpt` is complete and intact, else the reason it is not (naming the file)."""
+def verify(ckpt: Path, deep: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
+    """Return None if `ckpt` is complete and intact, else the reason it is not (naming the file).
+
+    Every file's presence and size are checked; with `deep`, the sha256 of the files in this
+    `share` = (index, count) of the sorted manifest, so that `count` ranks together hash each file once."""
     meta_path = ckpt / META
     if not meta_path.is_file():
         return f"{ckpt} has no {META} (an interrupted save)"
@@ -189,29 +192,45 @@ def verify(ckpt: Path, deep: bool = True) -> str | None:
         meta = json.loads(meta_path.read_text())
     except json.JSONDecodeError as e:
         return f"{meta_path} is not valid JSON ({e})"
-    for rel, info in meta.get("files", {}).items():
+    files = sorted(meta.get("files", {}).items())
+    for rel, info in files:
         p = ckpt / rel
         if not p.is_file():
             return f"{p} is missing"
         if p.stat().st_size != info["bytes"]:
             return f"{p} has {p.stat().st_size} bytes, {info['bytes']} were saved (truncated or overwritten)"
-        if deep and sha256_file(p) != info["sha256"]:
-            return f"{p} fails its sha256 check (corrupted)"
+    if deep:
+        index, count = share
+        for rel, info in files[index::count]:
+            if sha256_file(ckpt / rel) != info["sha256"]:
+                return f"{ckpt / rel} fails its sha256 check (corrupted)"
     return None
 
 
 def find_resumable(out_dir: str | Path) -> Path | None:
-    """The newest complete, intact checkpoint under out_dir; broken newer ones are skipped with a warning."""
+    """The newest complete, intact checkpoint under out_dir; broken newer ones are skipped with a warning.
+
+    Collective when a process group is up: the ranks share the sha256 reading (each hashes every
+    world-th file, as at save time) and all return the same answer."""
+    ranked = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if ranked else (0, 1)
     root = checkpoint_root(out_dir)
-    if not root.is_dir():
-        return None
-    candidates = sorted((p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
-                        reverse=True)
-    for ckpt in candidates:
-        problem = verify(ckpt)
+    candidates = sorted((p.name for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
+                        reverse=True) if root.is_dir() else []
+    if ranked:  # one listing for all ranks, whatever each one's view of the file system
+        listing = [candidates]
+        dist.broadcast_object_list(listing, src=0)
+        candidates = listing[0]
+    for name in candidates:
+        problem = verify(root / name, share=(rank, world))
+        if ranked:
+            problems = [None] * world
+            dist.all_gather_object(problems, problem)
+            problem = next((p for p in problems if p), None)
         if problem is None:
-            return ckpt
-        print(f"zerodp: warning: skipping checkpoint {ckpt.name}: {problem}", file=sys.stderr)
+            return root / name
+        if rank == 0:
+            print(f"zerodp: warning: skipping checkpoint {name}: {problem}", file=sys.stderr)
     return None
 
 

@@ -145,8 +145,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
 
     start, tokens_seen = 0, 0
     if cfg.checkpoint.resume and not fresh:
-        found = checkpoint.find_resumable(out_dir) if env.rank == 0 else None
-        found = broadcast_object(str(found) if found else None)
+        found = checkpoint.find_resumable(out_dir)  # collective: the ranks share the sha256 reading
         if found:
             state = checkpoint.load(strategy, Path(found), env.world_size)
             # an imported checkpoint (zerodp convert --to zerodp) records the step only

@@ -4,6 +4,8 @@ per-rank state `state_bytes` reports."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -205,3 +207,51 @@ def test_bf16_band_and_state_bytes(tiny, tmp_path):
     assert near(states["zero1"]["accumulating"]["grads"], 2 * P), states["zero1"]
     assert states["zero2"]["accumulating"]["grads"] < 2 * P, states["zero2"]
     assert near(states["zero3"]["step"]["params"], 2 * P // N), states["zero3"]  # 16-bit params sharded
+
+
+def loss_scaler_worker(overrides: list[str], out_dir: str) -> dict:
+    """Per stage: train 5 steps under DeepSpeed's real DynamicLossScaler (started at 2**10, doubling
+    every 2 clean steps; powers of two keep fp32 exact), save, then load into a fresh engine whose
+    scaler starts over. DeepSpeed's CPU accelerator has no fp16, so the scaler is swapped in directly."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from zerodp.dist import init_distributed
+    from zerodp.model import GPT
+    from zerodp.strategies import RunContext, make_strategy
+
+    env = init_distributed("cpu")
+    keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+    out = {}
+    for stage in ("zero2", "zero3"):  # zero1 shares zero2's optimizer class
+        cfg = load_config(None, overrides + [f"strategy.name={stage}"])
+        engines = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            strategy = make_strategy(stage)
+            strategy.setup(GPT(cfg.model), RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, 1))
+            strategy.model.optimizer.loss_scaler = DynamicLossScaler(
+                init_scale=2**10, scale_window=2, min_scale=1, delayed_shift=2, consecutive_hysteresis=False,
+                dtype=torch.float32)
+            strategy.model.optimizer.dynamic_loss_scale = True
+            engines.append(strategy)
+        first, second = engines
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size), generator=torch.Generator().manual_seed(1))
+        for _ in range(5):
+            with first.micro_step(is_last=True):
+                first.backward(first.model(x, x))
+            first.step(1e-3)
+        trained = {k: getattr(first.model.optimizer.loss_scaler, k) for k in keys}
+        ckpt = Path(out_dir) / stage
+        first.save(ckpt)
+        second.load(ckpt)
+        out[stage] = {"trained": trained, "resumed": {k: getattr(second.model.optimizer.loss_scaler, k) for k in keys}}
+    return out
+
+
+def test_dynamic_loss_scale_survives_resume(tiny, tmp_path):
+    results = run_distributed("tests.test_zero:loss_scaler_worker", 2,
+                              {"overrides": tiny, "out_dir": str(tmp_path)})
+    for stage, got in results[0].items():
+        assert got["trained"]["cur_scale"] == 2**12 and got["trained"]["cur_iter"] == 5, (stage, got)
+        assert got["resumed"] == got["trained"], stage
+    assert results[1] == results[0]

@@ -286,6 +286,12 @@ class DeepSpeedSource(CheckpointSource):
         s = self._state(r, g).get("step")
         return None if s is None else float(s)
 
+    def loss_scaler(self) -> dict | None:
+        """The fields of the ZeRO optimizer's loss scaler (cur_scale, and for fp16's dynamic scaling
+        cur_iter, last_overflow_iter, cur_hysteresis...), as saved; None if the file has none."""
+        scaler = self.ranks.osd(0).get("loss_scaler")
+        return dict(vars(scaler)) if scaler is not None else None
+
     def files(self) -> list[Path]:
         models = sorted(self.dir.glob("*model_states.pt"))
         return models + self.optim_files

@@ -81,6 +81,10 @@ class CheckpointSource:
         s = self.meta.get("step")
         return None if s is None else float(s)
 
+    def loss_scaler(self) -> dict | None:
+        """The saved loss scaler's fields, where the format keeps one (DeepSpeed); else None."""
+        return None
+
     def total_bytes(self) -> int:
         return sum(self.info(n).nbytes for n in self.param_names())
 

@@ -112,6 +112,9 @@ class ZerodpSource(CheckpointSource):
         s = self.optim_json.get("step", {}).get(name)
         return None if s is None else float(s)
 
+    def loss_scaler(self) -> dict | None:
+        return self.inner.loss_scaler() if self.inner is not None else None
+
     def describe(self) -> dict:
         return {**super().describe(), "layout": getattr(self, "layout", "?")}
 

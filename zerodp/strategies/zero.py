@@ -229,12 +229,25 @@ class ZeroStrategy:
         """Resume from DeepSpeed's files without DeepSpeed's loader: `engine.load_checkpoint` unpickles
         with weights_only=False, i.e. runs whatever the files ask for. zerodp reads the same files with
         its allowlisted loader (zerodp.convert) and sets each rank's part (`load_full`): the fp32
-        master weights, moments and step come back exactly. The fp16 loss scale restarts from its
-        initial value."""
+        master weights, moments and step come back exactly, and so does fp16's dynamic loss scale."""
         from zerodp.convert import open_checkpoint
 
         with open_checkpoint(ckpt_dir) as source:
             self.load_full(FullState(source, with_optimizer=True))
+            saved = source.loss_scaler()
+        self._restore_loss_scaler(saved)
+
+    def _restore_loss_scaler(self, saved: dict | None) -> None:
+        """Continue dynamic loss scaling where it stopped: without this an fp16 run would restart at
+        2**16 and skip steps on overflow until it has found its scale again. A static scale is the
+        config's, never the checkpoint's."""
+        live = getattr(self.model.optimizer, "loss_scaler", None)
+        if not saved or live is None or not getattr(live, "dynamic", False) or not saved.get("dynamic"):
+            return
+        for key in _DYNAMIC_SCALER_STATE:
+            if key in saved and hasattr(live, key):
+                value = saved[key]
+                setattr(live, key, value.item() if torch.is_tensor(value) else value)
 
     def load_full(self, state: FullState) -> None:
         """Start from full fp32 tensors (any checkpoint, any world size): set each parameter's working
@@ -283,6 +296,10 @@ class ZeroStrategy:
         if self.stage != 3:  # DeepSpeed links parameter fragments to optimizer state once; relink
             zero_opt._hp_optimizer_states_linked = False
             zero_opt._lazy_init_hp_params_optimizer_state()
+
+
+# What DynamicLossScaler learns while training; its other fields come from the config.
+_DYNAMIC_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
 def _adam_step(optimizer: torch.optim.Optimizer, step: float):

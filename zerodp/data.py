@@ -169,3 +169,6 @@ def prefetch(batches: TokenBatches, steps: range, cfg: Config, rank: int, world:
             yield item
     finally:
         stop.set()
+        # Wait for the producer to leave: a thread still inside torch when Python shuts down aborts
+        # the process. It notices `stop` within 0.1 s of finishing the batch at hand.
+        thread.join(timeout=30)

@@ -129,6 +129,20 @@ def test_straggler_is_reported_with_its_cause(tiny, tmp_path, where, cause):
     assert res["straggler_wait_s"] > 8 * 0.25 / 2 * 0.6
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_slow_device_is_found_where_the_forward_gathers_parameters(tiny, tmp_path, strategy):
+    """Under fsdp and zero3 every rank's forward lasts as long as the slowest one's (the fast ranks wait
+    inside its all-gathers), so forward time cannot name the culprit: the device probe does. Rank 1 is
+    a slow device: each of its matrix multiplies takes 2 ms longer."""
+    over = small(tiny, tmp_path, steps=8, every=0) + [f"strategy.name={strategy}"]
+    res = run_distributed("tests.workers:slow_rank", 2,
+                          {"overrides": over, "rank": 1, "delay": 0.002, "where": "device"})[0]
+    found = [s for rec in res["records"] for s in rec.get("stragglers", [])]
+    assert found and {s["rank"] for s in found} == {1}, res["records"]
+    assert all(s["cause"] == "slow compute" and s["measured_by"] == "device probe" for s in found)
+    assert len(found) >= 8 - 3 + 1 - 1  # reported at (nearly) every step once the patience is reached
+
+
 def test_two_nodes_on_loopback_train_like_one_process(tiny, tmp_path):
     """torchrun --nnodes 2 with separate node ranks on 127.0.0.1 follows the single-process losses."""
     from tests.reference import reference_run

@@ -69,9 +69,21 @@ def hang_at_step(overrides: list[str], rank: int, step: int, seconds: float) -> 
 
 
 def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict:
-    """Slow `rank` by `delay` seconds per step, in its compute or in its data loading."""
+    """Slow `rank` by `delay` seconds per step, in its compute or in its data loading; or, with
+    where="device", by `delay` seconds per matrix multiply (a device that computes slowly)."""
     if dist.get_rank() == rank:
-        if where == "compute":  # a slow device: its forward (and backward) take longer
+        if where == "device":
+            import torch
+            import torch.nn.functional as F
+
+            def slowed(fn):
+                def slow(*args, **kwargs):
+                    time.sleep(delay)
+                    return fn(*args, **kwargs)
+                return slow
+
+            F.linear, torch.mm = slowed(F.linear), slowed(torch.mm)
+        elif where == "compute":  # a slow device: its forward (and backward) take longer
             from zerodp.model import GPT
 
             real_forward = GPT.forward

@@ -9,6 +9,10 @@
   margin for several consecutive steps is reported by rank and host, with the cause (data or compute).
   The whole step time cannot show a straggler: synchronous ranks all wait for the slowest inside the
   gradient reduction, so every rank's step takes the same time.
+- `DeviceProbe`: under zero3 and fsdp the forward pass itself all-gathers parameters, so the fast ranks
+  wait for the slow one inside it and every rank's forward lasts equally long. There each rank times a
+  small fixed matrix-multiply workload after the step instead: a slow device (throttled, shared, faulty)
+  is slow at it too, and the forward time is split over the ranks in proportion.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 
 class Preemption:
@@ -136,3 +142,45 @@ class StragglerMonitor:
                               "slower_by": t / median - 1, "cause": cause})
                 self.reported[r] = cause
         return found
+
+
+class DeviceProbe:
+    """A fixed matrix-multiply workload timed on this rank's device: its speed, free of communication.
+
+    Sized to take about a millisecond (a 2048-wide bf16 product 8 times on a GPU, a 160-wide fp32 one
+    on a CPU core), i.e. well under 1% of a training step. Run it after the step has synchronised."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        cuda = device.type == "cuda"
+        n, dtype = (2048, torch.bfloat16) if cuda else (160, torch.float32)
+        gen = torch.Generator().manual_seed(0)
+        self.a = torch.randn(n, n, generator=gen).to(device, dtype)
+        self.b = torch.randn(n, n, generator=gen).to(device, dtype)
+        self.reps = 8
+        self.measure()  # warm-up: kernel selection and caches are not the device's speed
+
+    def measure(self) -> float:
+        """Seconds for the workload (CUDA events on a GPU, where kernels run asynchronously)."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(self.reps):
+                torch.mm(self.a, self.b)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+        t0 = time.perf_counter()
+        for _ in range(self.reps):
+            torch.mm(self.a, self.b)
+        return time.perf_counter() - t0
+
+
+def compute_from_probe(forward_s: list[float], probe_s: list[float]) -> list[float]:
+    """Each rank's share of the (equal, synchronised) forward time in proportion to its device speed:
+    the median forward time scaled by the rank's probe time over the median probe time."""
+    median_probe = statistics.median(probe_s)
+    if median_probe <= 0:
+        return list(forward_s)
+    median_forward = statistics.median(forward_s)
+    return [median_forward * p / median_probe for p in probe_s]

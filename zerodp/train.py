@@ -17,7 +17,7 @@ from zerodp.config import Config, dump_yaml, lr_at
 from zerodp.data import TokenBatches, load_tokens, prefetch
 from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
 from zerodp.errors import PeerFailure, UserError
-from zerodp.faults import Heartbeat, Preemption, StragglerMonitor
+from zerodp.faults import DeviceProbe, Heartbeat, Preemption, StragglerMonitor, compute_from_probe
 from zerodp.model import GPT, param_count
 from zerodp.strategies import RunContext, make_strategy
 
@@ -167,6 +167,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     heartbeat = Heartbeat(env.rank, env.world_size, env.hosts)
     heartbeat.beat(start)  # a peer lost during the first step is named too
     stragglers = StragglerMonitor(env.hosts, cfg.train.straggler_margin, cfg.train.straggler_patience)
+    # Where the forward all-gathers parameters, its time is the slowest rank's on every rank: probe instead.
+    probe = DeviceProbe(env.device) if strategy.gathers_in_forward and env.world_size > 1 else None
     preemption = Preemption(cfg.train.preempt_grace_s)
     bar = _progress(cfg, env, start)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
@@ -184,9 +186,11 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             local_loss, grad_norm, forward_s = train_step(strategy, micro_batches, lr, env.device)
             compute = time.perf_counter() - t0
             heartbeat.beat(step + 1)
+            probe_s = probe.measure() if probe is not None else 0.0
             # One small all-gather per step: losses, per-rank times and any preemption request.
-            per_rank = all_gather_floats([local_loss, compute, data_wait, float(preemption.requested), forward_s])
-            sync_wait = time.perf_counter() - t0 - compute
+            per_rank = all_gather_floats([local_loss, compute, data_wait, float(preemption.requested), forward_s,
+                                          probe_s])
+            sync_wait = time.perf_counter() - t0 - compute - probe_s
             loss_mean = sum(r[0] for r in per_rank) / env.world_size
             times = [r[1] + r[2] for r in per_rank]
             slowest = max(range(env.world_size), key=lambda r: times[r])
@@ -199,12 +203,18 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
                 "max_step_time_s": times[slowest], "slowest_rank": slowest,
                 "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
             }
-            found = stragglers.update([r[4] for r in per_rank], [r[2] for r in per_rank])
+            rank_compute = [r[4] for r in per_rank]
+            if probe is not None:
+                rank_compute = compute_from_probe(rank_compute, [r[5] for r in per_rank])
+            found = stragglers.update(rank_compute, [r[2] for r in per_rank])
             if found:
                 record["stragglers"] = found
                 for f in found:
+                    if probe is not None:
+                        f["measured_by"] = "device probe"
                     log(env, f"straggler: rank {f['rank']} on {f['host']} is {f['slower_by']:.0%} slower than "
-                             f"the median step ({f['step_time_s']:.3f}s vs {f['median_s']:.3f}s): {f['cause']}")
+                             f"the median step ({f['step_time_s']:.3f}s vs {f['median_s']:.3f}s): {f['cause']}"
+                             + (" (compute estimated from the device probe)" if probe is not None else ""))
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.max_steps):
                 record["val_loss"] = evaluate(strategy, val_data, cfg, env)
             if env.rank == 0:

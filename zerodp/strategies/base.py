@@ -49,6 +49,9 @@ class Strategy(Protocol):
     layout: str
     """What `save` writes: "canonical" (full fp32 tensors by name, any topology reads it), "deepspeed"
     or "dcp"; recorded in meta.json."""
+    gathers_in_forward: bool
+    """True where the forward pass all-gathers sharded parameters (zero3, fsdp): then every rank's
+    forward lasts as long as the slowest rank's, and stragglers are found with a device probe."""
     model: nn.Module
     """The module the loop calls: `loss = strategy.model(x, y)`; wrapped (DDP, engine, FSDP) as needed."""
 

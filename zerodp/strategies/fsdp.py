@@ -95,6 +95,7 @@ def apply_fsdp(model: nn.Module, ctx: RunContext) -> nn.Module:
 class FSDPStrategy:
     name = "fsdp"
     layout = "dcp"
+    gathers_in_forward = True
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx

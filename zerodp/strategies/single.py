@@ -17,6 +17,7 @@ from zerodp.strategies.common import (FullState, autocast_context, load_full_rep
 class SingleStrategy:
     name = "single"
     layout = "canonical"
+    gathers_in_forward = False
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx

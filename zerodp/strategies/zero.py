@@ -142,6 +142,7 @@ class ZeroStrategy:
         assert stage in (1, 2, 3), stage
         self.stage = stage
         self.name = f"zero{stage}"
+        self.gathers_in_forward = stage == 3
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         import deepspeed

@@ -203,18 +203,9 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
                 "max_step_time_s": times[slowest], "slowest_rank": slowest,
                 "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
             }
-            rank_compute = [r[4] for r in per_rank]
-            if probe is not None:
-                rank_compute = compute_from_probe(rank_compute, [r[5] for r in per_rank])
-            found = stragglers.update(rank_compute, [r[2] for r in per_rank])
+            found = _find_stragglers(stragglers, per_rank, probe is not None, env)
             if found:
                 record["stragglers"] = found
-                for f in found:
-                    if probe is not None:
-                        f["measured_by"] = "device probe"
-                    log(env, f"straggler: rank {f['rank']} on {f['host']} is {f['slower_by']:.0%} slower than "
-                             f"the median step ({f['step_time_s']:.3f}s vs {f['median_s']:.3f}s): {f['cause']}"
-                             + (" (compute estimated from the device probe)" if probe is not None else ""))
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.max_steps):
                 record["val_loss"] = evaluate(strategy, val_data, cfg, env)
             if env.rank == 0:
@@ -253,6 +244,25 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         summary["sample"] = sample(strategy, cfg, env)
         log(env, "sample:\n" + summary["sample"])
     return summary
+
+
+def _find_stragglers(monitor: StragglerMonitor, per_rank: list[list[float]], probed: bool,
+                     env: DistEnv) -> list[dict]:
+    """Feed one step's per-rank times (rows of the loop's all-gather) to the monitor; log what it finds.
+
+    Compute is each rank's forward time, or, where the forward all-gathers parameters (`probed`), the
+    forward time shared out in proportion to each rank's device-probe time."""
+    compute, data_wait = [r[4] for r in per_rank], [r[2] for r in per_rank]
+    if probed:
+        compute = compute_from_probe(compute, [r[5] for r in per_rank])
+    found = monitor.update(compute, data_wait)
+    for f in found:
+        if probed:
+            f["measured_by"] = "device probe"
+        log(env, f"straggler: rank {f['rank']} on {f['host']} is {f['slower_by']:.0%} slower than the median "
+                 f"step ({f['step_time_s']:.3f}s vs {f['median_s']:.3f}s): {f['cause']}"
+                 + (" (compute estimated from the device probe)" if probed else ""))
+    return found
 
 
 def train_step(strategy, micro_batches: list, lr: float, device: torch.device) -> tuple[float, float, float]:

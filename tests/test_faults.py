@@ -140,7 +140,6 @@ def test_slow_device_is_found_where_the_forward_gathers_parameters(tiny, tmp_pat
     found = [s for rec in res["records"] for s in rec.get("stragglers", [])]
     assert found and {s["rank"] for s in found} == {1}, res["records"]
     assert all(s["cause"] == "slow compute" and s["measured_by"] == "device probe" for s in found)
-    assert len(found) >= 8 - 3 + 1 - 1  # reported at (nearly) every step once the patience is reached
 
 
 def test_two_nodes_on_loopback_train_like_one_process(tiny, tmp_path):

@@ -54,6 +54,18 @@ def launch(args) -> None:
 
 # ---- the raw loops: what a user would write by hand on each engine --------------------------------
 
+def adamw_step(model, opt, lr: float, clip: float):
+    """The hand-written step both raw DDP and raw FSDP loops end with; returns the pre-clip grad norm."""
+    import torch
+
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return norm
+
+
 def raw_ddp(model, cfg, ctx):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -68,12 +80,7 @@ def raw_ddp(model, cfg, ctx):
             with ddp.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext():
                 loss = ddp(x, y)
                 (loss / len(micro_batches)).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item(), float(norm)
+        return loss.item(), float(adamw_step(model, opt, lr, cfg.optim.grad_clip))
     return step
 
 
@@ -117,11 +124,7 @@ def raw_fsdp(model, cfg, ctx):
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
             loss = model(x, y)
             (loss / len(micro_batches)).backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        norm = adamw_step(model, opt, lr, cfg.optim.grad_clip)
         return loss.item(), float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     return step
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from zerodp.dist import broadcast_object
 from zerodp.errors import CheckpointError
 
 FORMAT_VERSION = 1
@@ -218,9 +219,7 @@ def find_resumable(out_dir: str | Path) -> Path | None:
     candidates = sorted((p.name for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
                         reverse=True) if root.is_dir() else []
     if ranked:  # one listing for all ranks, whatever each one's view of the file system
-        listing = [candidates]
-        dist.broadcast_object_list(listing, src=0)
-        candidates = listing[0]
+        candidates = broadcast_object(candidates)
     for name in candidates:
         problem = verify(root / name, share=(rank, world))
         if ranked:

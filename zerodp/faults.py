@@ -144,6 +144,35 @@ class StragglerMonitor:
         return found
 
 
+class Stopwatch:
+    """Accumulates time inside `with` blocks: CUDA events on a GPU (kernels run async), else a clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list = []
+        self.total = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.spans.append([start, None])
+        else:
+            self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans[-1][1] = end
+        else:
+            self.total += time.perf_counter() - self.t0
+
+    def seconds(self) -> float:
+        """Call after the device was synchronised."""
+        return self.total + sum(s.elapsed_time(e) / 1000 for s, e in self.spans)
+
+
 class DeviceProbe:
     """A fixed matrix-multiply workload timed on this rank's device: its speed, free of communication.
 
@@ -162,18 +191,13 @@ class DeviceProbe:
 
     def measure(self) -> float:
         """Seconds for the workload (CUDA events on a GPU, where kernels run asynchronously)."""
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        watch = Stopwatch(self.device)
+        with watch:
             for _ in range(self.reps):
                 torch.mm(self.a, self.b)
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1000
-        t0 = time.perf_counter()
-        for _ in range(self.reps):
-            torch.mm(self.a, self.b)
-        return time.perf_counter() - t0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return watch.seconds()
 
 
 def compute_from_probe(forward_s: list[float], probe_s: list[float]) -> list[float]:

@@ -17,7 +17,7 @@ from zerodp.config import Config, dump_yaml, lr_at
 from zerodp.data import TokenBatches, load_tokens, prefetch
 from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
 from zerodp.errors import PeerFailure, UserError
-from zerodp.faults import DeviceProbe, Heartbeat, Preemption, StragglerMonitor, compute_from_probe
+from zerodp.faults import DeviceProbe, Heartbeat, Preemption, Stopwatch, StragglerMonitor, compute_from_probe
 from zerodp.model import GPT, param_count
 from zerodp.strategies import RunContext, make_strategy
 
@@ -272,7 +272,7 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device) -
     straggler signal: under ddp/zero1/zero2 it holds no communication, so a slow rank shows there,
     while the fast ranks' waiting hides inside the backward's gradient reduction."""
     loss_sum = torch.zeros((), device=device)
-    forward = _Stopwatch(device)
+    forward = Stopwatch(device)
     for i, (x, y) in enumerate(micro_batches):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         with strategy.micro_step(is_last=i == len(micro_batches) - 1):
@@ -282,35 +282,6 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device) -
         loss_sum += loss.detach().float()
     grad_norm = strategy.step(lr)
     return (loss_sum / len(micro_batches)).item(), grad_norm, forward.seconds()  # .item() syncs the device
-
-
-class _Stopwatch:
-    """Accumulates time inside `with` blocks: CUDA events on a GPU (kernels run async), else a clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.spans: list = []
-        self.total = 0.0
-
-    def __enter__(self):
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.spans.append([start, None])
-        else:
-            self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.spans[-1][1] = end
-        else:
-            self.total += time.perf_counter() - self.t0
-
-    def seconds(self) -> float:
-        """Call after the device was synchronised."""
-        return self.total + sum(s.elapsed_time(e) / 1000 for s, e in self.spans)
 
 
 @torch.no_grad()

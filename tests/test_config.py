@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -87,6 +88,25 @@ def test_batch_split_by_world_size():
                                           r"x world_size=4 = 8; change micro_batch_size or global_batch_size, or "
                                           r"run on one of \[1, 2, 3, 6\] processes"):
         cfg.check_batch_split(4)
+
+
+def test_batch_split_is_one_pure_function():
+    """`zerodp train`, `zerodp plan --config` and `strategy: auto` share zerodp.config.batch_split."""
+    from zerodp.config import batch_split
+
+    cfg = load_config(None, ["train.global_batch_size=480", "train.micro_batch_size=12"])
+    for world in range(1, 65):
+        try:
+            expected = cfg.check_batch_split(world)
+        except ConfigError as e:
+            with pytest.raises(ConfigError, match=f"^{re.escape(str(e))}$"):
+                batch_split(480, 12, world)
+        else:
+            assert batch_split(480, 12, world) == expected == 40 // world
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size=480 is not divisible by train.micro_batch_size=7 "
+                                          r"x world_size=1 = 7; change micro_batch_size or global_batch_size "
+                                          r"\(no process count up to 64 divides it\)$"):
+        batch_split(480, 7, 1)
 
 
 def test_lr_schedule_warmup_cosine_and_scaling():

@@ -4,6 +4,7 @@ boundaries, the JSON interface, error messages, and that planning never imports 
 import argparse
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,6 +174,22 @@ def test_hf_config_errors(tmp_path):
         spec_from_hf_config(str(tmp_path / "missing.json"))
 
 
+def test_hf_config_accepts_a_model_folder(tmp_path, capsys):
+    folder = tmp_path / "Llama-2-7b-hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA2_7B))
+    m = spec_from_hf_config(str(folder))
+    assert m.params == 6_738_415_616 and m.name == "Llama-2-7b-hf"
+    assert m == spec_from_hf_config(str(folder / "config.json"))
+    assert run(parse("--hf-config", str(folder), "--gpus", "8", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["params"] == 6_738_415_616
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match=r"^--hf-config \S+empty: the folder has no config.json; pass a Hugging Face "
+                                        r"model folder or its config.json$"):
+        spec_from_hf_config(str(empty))
+
+
 def test_params_only_guesses_a_shape():
     m = spec_from_params(7_000_000_000)
     assert m.params == 7_000_000_000 and m.shape_assumed
@@ -237,6 +254,7 @@ def test_70b_on_one_node_needs_offload():
 
 def test_plan_for_training():
     cfg = Config()
+    cfg.train.global_batch_size = 64  # splits over 1, 4 and 8 ranks of micro batch 8
     assert plan_for_training(cfg, 1, 80 * GB).choice == "single"
     plan = plan_for_training(cfg, 4, 16 * GB, "cpu")
     assert plan.choice == "ddp" and plan.offload_optimizer is False and plan.activation_checkpointing is False
@@ -280,6 +298,81 @@ def test_table_and_config(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out)["workload"]["grad_accum_steps"] == 16
 
 
+def test_plan_for_training_splits_the_batch_as_train_does():
+    cfg = Config()
+    cfg.train.global_batch_size, cfg.train.micro_batch_size = 480, 12
+    for world in range(1, 65):
+        try:
+            accum = cfg.check_batch_split(world)
+        except UserError as e:
+            with pytest.raises(UserError, match=f"^{re.escape(str(e))}$"):
+                plan_for_training(cfg, world, 80 * GB)
+        else:
+            assert plan_for_training(cfg, world, 80 * GB).workload.grad_accum_steps == accum
+
+
+TRAIN_SPLIT_ERROR = {  # what `zerodp train` says on these world sizes (Config.check_batch_split)
+    "gpt2-124m": "train.global_batch_size=480 is not divisible by train.micro_batch_size=12 x world_size=16 = 192; "
+                 "change micro_batch_size or global_batch_size, or run on one of [1, 2, 4, 5, 8, 10, 20, 40] processes",
+    "tiny": "train.global_batch_size=16 is not divisible by train.micro_batch_size=8 x world_size=64 = 512; "
+            "change micro_batch_size or global_batch_size, or run on one of [1, 2] processes",
+}
+
+
+@pytest.mark.parametrize("config,argv", [("gpt2-124m", ["--gpus", "8", "--nodes", "2"]), ("tiny", ["--gpus", "64"])])
+def test_plan_config_refuses_a_batch_split_train_refuses(config, argv, capsys, monkeypatch):
+    from zerodp.cli import main
+    from zerodp.config import load_config
+
+    monkeypatch.chdir(ROOT)
+    world = int(argv[1]) * (int(argv[3]) if len(argv) > 2 else 1)
+    with pytest.raises(UserError) as train_error:
+        load_config(f"configs/{config}.yaml").check_batch_split(world)
+    assert str(train_error.value) == TRAIN_SPLIT_ERROR[config]
+    assert main(["plan", "--config", f"configs/{config}.yaml", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"zerodp: error: {TRAIN_SPLIT_ERROR[config]}\n"
+
+
+def test_plan_config_micro_batch_flag_is_an_override(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    # 480 = 6 micro x 16 GPUs x 5: what `zerodp train ... train.micro_batch_size=6` runs on 16 ranks
+    for extra in (["--micro-batch", "6"], ["train.micro_batch_size=6"]):
+        assert run(parse("--config", "configs/gpt2-124m.yaml", "--gpus", "8", "--nodes", "2", *extra)) == 0
+        assert "step: micro batch 6 x 1024 tokens x 5 accumulation, bf16" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"^train.global_batch_size=480 is not divisible by train.micro_batch_size=4 "
+                                        r"x world_size=16 = 64; change micro_batch_size or global_batch_size, or run "
+                                        r"on one of \[1, 2, 3, 4, 5, 6, 8, 10\] processes$"):
+        run(parse("--config", "configs/gpt2-124m.yaml", "--gpus", "8", "--nodes", "2", "--micro-batch", "4"))
+
+
+def test_plan_config_grad_accum_flag_must_agree_with_the_global_batch(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert run(parse("--config", "configs/gpt2-124m.yaml", "--gpus", "8", "--grad-accum", "5")) == 0
+    assert "micro batch 12 x 1024 tokens x 5 accumulation" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"^--grad-accum 3 contradicts configs/gpt2-124m.yaml: 12 micro x 8 GPUs x 3 = "
+                                        r"288 sequences per step, but train.global_batch_size=480; leave --grad-accum "
+                                        r"out \(the global batch sets it, as in zerodp train\) or add "
+                                        r"train.global_batch_size=288$"):
+        run(parse("--config", "configs/gpt2-124m.yaml", "--gpus", "8", "--grad-accum", "3"))
+    assert run(parse("--config", "configs/gpt2-124m.yaml", "--gpus", "8", "--grad-accum", "3",
+                     "train.global_batch_size=288")) == 0
+    assert "micro batch 12 x 1024 tokens x 3 accumulation" in capsys.readouterr().out
+
+
+def test_help_examples_run(capsys, monkeypatch):
+    from zerodp.planner.cli import EXAMPLES
+
+    monkeypatch.chdir(ROOT)
+    lines = [line.split()[2:] for line in EXAMPLES.splitlines() if line.strip().startswith("zerodp plan")]
+    assert len(lines) == 4
+    for argv in lines:
+        if any("path/to" in a for a in argv):
+            continue
+        assert run(parse(*argv)) == 0, argv
+    capsys.readouterr()
+
+
 def test_sizes():
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("80GiB") == 80 * 2**30 == parse_bytes("80 gib")
@@ -295,6 +388,23 @@ def test_sizes():
     ([], r"give exactly one model source, got none"),
     (["--model", "gpt2", "--gpu", "h1000"], r"unknown GPU 'h1000'; did you mean 'h100'\?"),
     (["--params", "lots"], r"--params 'lots' is not a number"),
+    # zero, negative, infinite and sub-unit sizes and counts: say what is wrong, not "is not a size"
+    (["--model", "gpt2", "--hbm", "0"], r"^--hbm '0' must be positive; write a size such as 80GB$"),
+    (["--model", "gpt2", "--hbm", "0GiB"], r"^--hbm '0GiB' must be positive; write a size such as 80GB$"),
+    (["--model", "gpt2", "--hbm=-80GB"], r"^--hbm '-80GB' must be positive; write a size such as 80GB$"),
+    (["--model", "gpt2", "--hbm", "0.5B"], r"^--hbm '0.5B' is less than one byte; write a size such as 80GB$"),
+    (["--model", "gpt2", "--hbm", "1e999GB"], r"^--hbm '1e999GB' is too large to be a size; write one such as 80GB$"),
+    (["--model", "gpt2", "--hbm", ""], r"^--hbm '' is not a size"),
+    (["--model", "gpt2", "--cpu-ram", "0"], r"^--cpu-ram '0' must be positive; write a size such as 512GB$"),
+    (["--model", "gpt2", "--cpu-ram", "lots"], r"^--cpu-ram 'lots' is not a size; write a number and a unit, e.g. 512GB"),
+    (["--params", "0"], r"^--params '0' must be positive \(at least 1\), e.g. 7B$"),
+    (["--params=-7B"], r"^--params '-7B' must be positive \(at least 1\), e.g. 7B$"),
+    (["--params", "0.4"], r"^--params '0.4' must be positive \(at least 1\), e.g. 7B$"),
+    (["--params", "1e999"], r"^--params '1e999' is too large; write a count such as 7B$"),
+    (["--params", "7B", "--layers", "0"], r"^--layers 0 must be a positive integer$"),
+    (["--model", "gpt2", "--nodes", "0"], r"^--nodes 0: the number of nodes must be at least 1"),
+    (["--model", "gpt2", "--micro-batch", "-1"], r"^--micro-batch -1: sequences per micro batch must be at least 1"),
+    (["--model", "gpt2", "--mfu", "0"], r"^--mfu 0.0 must be in \(0, 1\]"),
     (["--model", "gpt2", "--interconnect", "carrier-pigeon"], r"--interconnect 'carrier-pigeon' is not one of"),
 ])
 def test_bad_input_messages(argv, message):

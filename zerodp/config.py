@@ -236,16 +236,23 @@ class Config:
 
     def check_batch_split(self, world_size: int) -> int:
         """Return gradient accumulation steps for this world size, or explain why the split fails."""
-        t = self.train
-        per_step = t.micro_batch_size * world_size
-        if t.global_batch_size % per_step:
-            ok = [w for w in range(1, 65) if t.global_batch_size % (t.micro_batch_size * w) == 0]
-            raise ConfigError(
-                f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                f"train.micro_batch_size={t.micro_batch_size} x world_size={world_size} = {per_step}; "
-                f"change micro_batch_size or global_batch_size, or run on one of {ok[:8]} processes"
-            )
-        return t.global_batch_size // per_step
+        return batch_split(self.train.global_batch_size, self.train.micro_batch_size, world_size)
+
+
+def batch_split(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """Gradient accumulation steps that make `global_batch_size` sequences out of micro batches of
+    `micro_batch_size` on `world_size` ranks or, when they do not divide it, a ConfigError naming the
+    world sizes that would. The one split `zerodp train`, `zerodp plan --config` and `strategy: auto` use."""
+    per_step = micro_batch_size * world_size
+    if global_batch_size % per_step:
+        ok = [w for w in range(1, 65) if global_batch_size % (micro_batch_size * w) == 0]
+        where = f", or run on one of {ok[:8]} processes" if ok else " (no process count up to 64 divides it)"
+        raise ConfigError(
+            f"train.global_batch_size={global_batch_size} is not divisible by "
+            f"train.micro_batch_size={micro_batch_size} x world_size={world_size} = {per_step}; "
+            f"change micro_batch_size or global_batch_size{where}"
+        )
+    return global_batch_size // per_step
 
 
 def _positive(key: str, value, hint: str = "") -> None:

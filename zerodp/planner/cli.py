@@ -19,8 +19,8 @@ from zerodp.planner.units import parse_bytes, parse_count
 
 EXAMPLES = """examples:
   zerodp plan --model llama2-7b --gpus 8 --hbm 80GB
-  zerodp plan --config configs/gpt2-124m.yaml --gpus 8 --nodes 2 --gpu a100
-  zerodp plan --hf-config path/to/config.json --gpus 4 --gpu h100 --micro-batch 2 --seq-len 4096 --json
+  zerodp plan --config configs/gpt2-124m.yaml --gpus 8 --nodes 2 --gpu a100 train.micro_batch_size=6
+  zerodp plan --hf-config path/to/model_folder --gpus 4 --gpu h100 --micro-batch 2 --seq-len 4096 --json
   zerodp plan --params 13e9 --layers 40 --hidden 5120 --gpus 8 --cpu-ram 1TB
 """
 
@@ -35,7 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     m = p.add_argument_group("model (give one of --config, --hf-config, --model, --params)")
     m.add_argument("--config", metavar="CONFIG.yaml", help="a zerodp training config")
     m.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides for --config")
-    m.add_argument("--hf-config", metavar="config.json", help="a Hugging Face gpt2/llama/mistral/qwen2 config")
+    m.add_argument("--hf-config", metavar="PATH",
+                   help="a Hugging Face gpt2/llama/mistral/qwen2 model folder, or its config.json")
     m.add_argument("--model", metavar="NAME", help=f"a built-in preset: {', '.join(PRESETS)}")
     m.add_argument("--params", metavar="N", help="parameter count, e.g. 7.5e9 or 7B")
     m.add_argument("--layers", type=int, help="with --params: transformer blocks")
@@ -53,9 +54,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "(default nvlink on one node, infiniband across nodes)")
     h.add_argument("--mfu", type=float, default=MFU, help=f"model FLOPs utilisation assumed (default {MFU})")
     w = p.add_argument_group("step")
-    w.add_argument("--micro-batch", type=int, help="sequences per GPU per forward (default 1, or the config's)")
+    w.add_argument("--micro-batch", type=int, help="sequences per GPU per forward (default 1; with --config the "
+                   "same as the override train.micro_batch_size=N, the accumulation following from the global batch)")
     w.add_argument("--seq-len", type=int, help="tokens per sequence (default min(context, 4096), or block_size)")
-    w.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default 1, or the config's)")
+    w.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default 1; with --config "
+                   "train.global_batch_size / (micro batch x GPUs), as zerodp train splits it, which this must equal)")
     w.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default bf16, or the config's")
     w.add_argument("--activation-checkpointing", choices=("on", "off"),
                    help="default: the planner decides (or the config's when it says true)")
@@ -83,13 +86,27 @@ def _model(args):
         raise UserError("--layers/--hidden/--heads/--vocab describe a --params model; add --params N")
     if args.config is not None:
         from zerodp.config import load_config  # imports yaml only
-        cfg = load_config(args.config, list(args.overrides))
+        # --micro-batch is an override, so the batch is split and validated exactly as `zerodp train` would
+        micro = [f"train.micro_batch_size={args.micro_batch}"] if args.micro_batch is not None else []
+        cfg = load_config(args.config, list(args.overrides) + micro)
         return spec_from_model_config(cfg.model, name=args.config), cfg
     if args.hf_config is not None:
         return spec_from_hf_config(args.hf_config), None
     if args.model is not None:
         return preset(args.model), None
     return spec_from_params(parse_count(args.params), args.layers, args.hidden, args.heads, args.vocab), None
+
+
+def _check_grad_accum(args, cfg, world_size: int) -> None:
+    """With --config the global batch fixes the accumulation; an explicit --grad-accum must agree."""
+    t, accum = cfg.train, args.grad_accum
+    if accum is None or t.global_batch_size == t.micro_batch_size * world_size * accum:
+        return
+    implied = t.micro_batch_size * world_size * accum
+    raise UserError(
+        f"--grad-accum {accum} contradicts {args.config}: {t.micro_batch_size} micro x {world_size} GPUs x {accum} = "
+        f"{implied} sequences per step, but train.global_batch_size={t.global_batch_size}; leave --grad-accum out "
+        f"(the global batch sets it, as in zerodp train) or add train.global_batch_size={implied}")
 
 
 def build(args):
@@ -106,7 +123,7 @@ def build(args):
     model, cfg = _model(args)
     notes = []
     gpu = gpu_preset(args.gpu) if args.gpu else GPUS["h100"]
-    if args.hbm:
+    if args.hbm is not None:
         gpu = GpuSpec(gpu.name if args.gpu else "gpu", parse_bytes(args.hbm), gpu.peak_flops_16, gpu.peak_flops_32)
         if not args.gpu:
             notes.append("step time assumes H100 peak FLOPs (pass --gpu to change)")
@@ -114,12 +131,14 @@ def build(args):
         notes.append("GPU assumed: h100 with 80 GB (pass --gpu or --hbm)")
     if args.interconnect and args.interconnect not in INTERCONNECTS:
         raise UserError(f"--interconnect {args.interconnect!r} is not one of {', '.join(INTERCONNECTS)}")
+    cpu_ram = parse_bytes(args.cpu_ram, "--cpu-ram", "512GB") if args.cpu_ram is not None else None
     cluster = Cluster(gpu=gpu, gpus_per_node=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
-                      cpu_ram_bytes=parse_bytes(args.cpu_ram, "--cpu-ram") if args.cpu_ram else None, mfu=args.mfu)
+                      cpu_ram_bytes=cpu_ram, mfu=args.mfu)
 
     if cfg is not None:
         from zerodp.planner.training import workload_from_config
-        base = workload_from_config(cfg, cluster.world_size)
+        _check_grad_accum(args, cfg, cluster.world_size)
+        base = workload_from_config(cfg, cluster.world_size)  # train's split: ConfigError if it does not divide
         if args.seq_len and args.seq_len > cfg.model.block_size:
             raise UserError(f"--seq-len {args.seq_len} exceeds model.block_size={cfg.model.block_size}; "
                             f"raise block_size in the config or pass a shorter --seq-len")

@@ -121,10 +121,16 @@ _SUPPORTED_HF = ("gpt2", "llama", "mistral", "qwen2")
 
 
 def spec_from_hf_config(path: str) -> ModelSpec:
-    """The ModelSpec of a Hugging Face config.json (gpt2, llama, mistral, qwen2), read offline."""
+    """The ModelSpec of a Hugging Face model (gpt2, llama, mistral, qwen2), read offline from its
+    config.json, or from a model folder's config.json."""
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--hf-config {p}: file not found; pass the model's config.json")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise UserError(f"--hf-config {p}: the folder has no config.json; pass a Hugging Face model folder "
+                            f"or its config.json")
+        p = p / "config.json"
+    elif not p.is_file():
+        raise UserError(f"--hf-config {p}: file not found; pass the model's folder or its config.json")
     try:
         raw = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

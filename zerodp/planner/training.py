@@ -12,10 +12,11 @@ from zerodp.planner.models import spec_from_model_config
 
 
 def workload_from_config(cfg, world_size: int) -> Workload:
-    """One step of `cfg` on `world_size` ranks: micro batch, block_size tokens, precision, buckets.
-    An uneven batch split is reported by Config.check_batch_split, not here: round down, at least 1."""
+    """One step of `cfg` on `world_size` ranks: micro batch, block_size tokens, precision, buckets,
+    and train's gradient accumulation (Config.check_batch_split): a global batch that does not split
+    evenly over `world_size` raises the ConfigError `zerodp train` would stop with."""
     t = cfg.train
-    accum = max(1, t.global_batch_size // (t.micro_batch_size * world_size))
+    accum = cfg.check_batch_split(world_size)
     return Workload(t.micro_batch_size, cfg.model.block_size, t.precision, accum, cfg.strategy.bucket_size_mb,
                     cfg.strategy.fsdp_defer_grad_reduce)
 
@@ -32,6 +33,9 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     otherwise the planner turns it on only where that is what makes the model fit (unless
     `allow_checkpointing` is False). `gpus_per_node` defaults to world_size up to 8 ranks, else 8
     when it divides world_size. Imports neither torch nor deepspeed.
+
+    Raises UserError for a world size or memory below 1, and train's ConfigError when the global
+    batch does not split over `world_size` ranks.
     """
     if world_size < 1:
         raise UserError(f"world_size={world_size} must be at least 1")

@@ -7,6 +7,7 @@ number of bytes is refused because users mean one or the other and guessing woul
 from __future__ import annotations
 
 import difflib
+import math
 import re
 
 from zerodp.errors import UserError
@@ -17,32 +18,40 @@ _BYTE_UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
-_NUMBER = r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)"
+_NUMBER = r"([+-]?[0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)"
 
 
-def parse_bytes(text: str, what: str = "--hbm") -> int:
-    """Bytes in `text` such as '80GB' (80e9), '80GiB' (80*2**30), '512 GB'; UserError otherwise."""
+def parse_bytes(text: str, what: str = "--hbm", example: str = "80GB") -> int:
+    """Bytes in `text` such as '80GB' (80e9), '80GiB' (80*2**30), '512 GB'; UserError otherwise,
+    also for zero, negative, infinite and sub-byte sizes. `example` is what the message suggests."""
     m = re.fullmatch(_NUMBER + r"\s*([a-z]*)", str(text).strip().lower())
+    if m and float(m.group(1)) <= 0:  # before the unit check: '0' lacks a unit, but 0 is what is wrong
+        raise UserError(f"{what} {text!r} must be positive; write a size such as {example}")
     if not m or m.group(2) not in _BYTE_UNITS:
         raise UserError(
-            f"{what} {text!r} is not a size; write a number and a unit, e.g. 80GB (80e9 bytes) "
-            f"or 80GiB (80*2**30 bytes); units: KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+            f"{what} {text!r} is not a size; write a number and a unit, e.g. {example}; GB means 1e9 bytes, "
+            f"GiB 2**30; units: KB, MB, GB, TB, KiB, MiB, GiB, TiB"
         )
     value = float(m.group(1)) * _BYTE_UNITS[m.group(2)]
-    if value <= 0:
-        raise UserError(f"{what} {text!r} must be a positive size, e.g. 80GB")
+    if not math.isfinite(value):
+        raise UserError(f"{what} {text!r} is too large to be a size; write one such as {example}")
+    if value < 1:
+        raise UserError(f"{what} {text!r} is less than one byte; write a size such as {example}")
     return int(value)
 
 
 def parse_count(text: str, what: str = "--params") -> int:
-    """A count such as '7.5e9', '7B', '124M', '1,557,611,200'; UserError otherwise."""
+    """A count such as '7.5e9', '7B', '124M', '1,557,611,200'; UserError otherwise, also for
+    counts that are zero, negative, infinite or round to zero."""
     m = re.fullmatch(_NUMBER + r"([kmbt]?)", str(text).strip().lower().replace(",", "").replace("_", ""))
     if not m:
         raise UserError(f"{what} {text!r} is not a number; write e.g. 7.5e9, 7B or 124M")
-    value = int(round(float(m.group(1)) * _COUNT_SUFFIXES[m.group(2)]))
-    if value <= 0:
-        raise UserError(f"{what} {text!r} must be positive, e.g. 7B")
-    return value
+    value = float(m.group(1)) * _COUNT_SUFFIXES[m.group(2)]
+    if not math.isfinite(value):
+        raise UserError(f"{what} {text!r} is too large; write a count such as 7B")
+    if round(value) < 1:
+        raise UserError(f"{what} {text!r} must be positive (at least 1), e.g. 7B")
+    return int(round(value))
 
 
 def gb(n: float) -> str:

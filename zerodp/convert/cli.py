@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from zerodp.errors import UserError
 
@@ -24,12 +23,13 @@ def add_convert_parser(sub) -> None:
                     "HF hub) or a zerodp checkpoint in the canonical layout (resume at any world size).")
     p.add_argument("src", help="checkpoint: zerodp step_ folder or out_dir, DeepSpeed save_dir, DCP folder, "
                                ".safetensors file or folder")
-    p.add_argument("dst", help="output folder (created; must be new or empty unless --overwrite)")
+    p.add_argument("dst", help="output folder (created; must be new or empty, outside SRC, and not hold SRC)")
     p.add_argument("--to", default="safetensors", help="safetensors (default) | zerodp")
     p.add_argument("--dtype", default=None, help="safetensors weights dtype: fp32 | bf16 | fp16 (default: as stored)")
     p.add_argument("--max-shard-size", default=None, help="split safetensors output into shards, e.g. 5GB")
     p.add_argument("--step", type=int, default=None, help="zerodp target: training step to record")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DST if it is an earlier output of `zerodp convert` with the same --to")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_convert)
 
@@ -44,6 +44,7 @@ def add_inspect_parser(sub) -> None:
 
 def run_convert(args) -> int:
     from zerodp.convert import open_checkpoint, parse_size, write_safetensors, write_zerodp
+    from zerodp.convert.writers import check_destination
 
     if args.to not in TARGETS:
         raise UserError(f"--to {args.to} is not a target; use --to safetensors or --to zerodp")
@@ -52,8 +53,10 @@ def run_convert(args) -> int:
     if args.to == "zerodp" and (args.dtype not in (None, "fp32") or args.max_shard_size):
         raise UserError("--dtype and --max-shard-size apply to --to safetensors; a zerodp checkpoint is always fp32")
     shard = parse_size(args.max_shard_size) if args.max_shard_size else None
-    if Path(args.dst).resolve() == Path(args.src).resolve():
-        raise UserError(f"DST {args.dst} is SRC; write the conversion to a new folder")
+    # Before SRC is opened (and hashed): DST must not overlap SRC as given (an out_dir, say, of which
+    # the source reads one step folder) nor be anything but new, empty or an earlier output of --to.
+    # The writer checks again against every file the source reads, and writes through a staging folder.
+    check_destination(args.dst, args.to, args.overwrite, inputs=[args.src])
     t0 = time.time()
     with open_checkpoint(args.src, verify_deep=True) as src:
         if args.to == "safetensors":

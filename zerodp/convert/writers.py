@@ -1,7 +1,9 @@
 """Targets: consolidated (optionally sharded) safetensors, and a zerodp checkpoint in the canonical layout.
 
 Both stream: tensors are fetched from the source one at a time and written straight into a file
-whose header was laid out first, so memory holds about one tensor whatever the model size.
+whose header was laid out first, so memory holds about one tensor whatever the model size. Both
+write through zerodp.safe_output: DST never overlaps what the source reads, only an earlier output
+of the same target is replaced (`check_destination`), and only once the new one is complete.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, write_safetensors_file
 from zerodp.errors import UserError
+from zerodp.safe_output import check_output, staged
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INDEX = "model.safetensors.index.json"
@@ -40,14 +42,76 @@ def _progress(total: int, desc: str, enabled: bool):
                 disable=None if enabled else True, leave=False)
 
 
-def _prepare_dir(dst: Path, overwrite: bool) -> None:
-    if dst.exists() and not dst.is_dir():
-        raise UserError(f"{dst} exists and is a file; choose a new folder for the output")
-    if dst.is_dir() and any(dst.iterdir()):
-        if not overwrite:
-            raise UserError(f"{dst} already exists and is not empty; choose a new folder or pass --overwrite")
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True, exist_ok=True)
+# A `zerodp convert` output records that convert made it in the metadata it has always written, so
+# no extra file rides along to the hub: a zerodp checkpoint's meta.json has `converted_from`; a
+# safetensors export has `zerodp.source` in every file's header metadata (and the index's) and no
+# meta.json. Either is replaceable only if it holds nothing else: a user's tokenizer or config.json
+# added to an export folder would be lost with it.
+_EXPORT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|" + re.escape(INDEX))
+
+
+def check_destination(dst: str | Path, to: str, overwrite: bool, inputs=()) -> None:
+    """Refuse (UserError) a `dst` that `zerodp convert --to {to}` may not write: one that overlaps an
+    input, a file, a non-empty folder without `overwrite`, or one that is not an earlier output of
+    `--to {to}` (a training run or checkpoint, foreign files, the other target's output)."""
+    def not_replaceable(folder: Path) -> str | None:
+        kind, why = convert_output_kind(folder)
+        if kind is None:
+            return why
+        return None if kind == to else f"is the output of `zerodp convert --to {kind}`"
+
+    check_output(dst, inputs, overwrite, f"zerodp convert --to {to}", not_replaceable)
+
+
+def convert_output_kind(folder: Path) -> tuple[str | None, str]:
+    """("safetensors" | "zerodp", "") if non-empty `folder` is an earlier `zerodp convert` output and
+    holds nothing else; else (None, what it is instead)."""
+    entries = sorted(folder.iterdir())
+    meta_path = folder / "meta.json"
+    if meta_path.is_file():
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (ValueError, OSError):
+            return None, "holds a meta.json that is not valid JSON"
+        if not isinstance(meta, dict) or "converted_from" not in meta:
+            return None, "is a checkpoint written by training (its meta.json has no converted_from)"
+        listed = set(meta.get("files") or {}) | {"meta.json"}
+        foreign = [p.name for p in entries if p.name not in listed or not p.is_file() or p.is_symlink()]
+        return (None, f"holds {foreign[0]}, which zerodp convert did not write") if foreign else ("zerodp", "")
+    for p in entries:
+        if not _EXPORT_NAME.fullmatch(p.name) or not p.is_file() or p.is_symlink():
+            return None, f"holds {p.name}, which zerodp convert did not write"
+        md = _index_metadata(p) if p.name == INDEX else _header_metadata(p)
+        if "zerodp.source" not in md:
+            return None, f"holds {p.name}, which zerodp convert did not write (no zerodp.source in its metadata)"
+    return "safetensors", ""
+
+
+def _header_metadata(path: Path) -> dict:
+    """A safetensors file's `__metadata__`, read leniently (a damaged earlier export is still ours)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 0 < n <= 100 * 2**20 else {}
+        return dict(header.get("__metadata__") or {})
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _index_metadata(path: Path) -> dict:
+    try:
+        return dict(json.loads(path.read_text()).get("metadata") or {})
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _read_paths(source: CheckpointSource) -> list[Path]:
+    """What the source reads: its file or folder, each file, and the folder that holds them all."""
+    files = [Path(f) for f in source.files()]
+    paths = [Path(source.path), *files]
+    if len(files) > 1:
+        paths.append(Path(os.path.commonpath([str(f.resolve()) for f in files])))
+    return paths
 
 
 def _source_metadata(source: CheckpointSource) -> dict[str, str]:
@@ -82,7 +146,7 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
             size = 0
         shards[-1].append(n)
         size += infos[n].nbytes
-    _prepare_dir(dst, overwrite)
+    check_destination(dst, "safetensors", overwrite, _read_paths(source))
     metadata = _source_metadata(source)
 
     def fetch(n: str) -> torch.Tensor:
@@ -90,22 +154,17 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
         return t.to(infos[n].dtype) if t.dtype != infos[n].dtype else t
 
     total = sum(i.nbytes for i in infos.values())
-    written = []
-    with _progress(total, "convert", progress) as bar:
-        if len(shards) == 1:
-            path = dst / "model.safetensors"
-            write_safetensors_file(path, shards[0], infos, fetch, metadata, bar.update)
-            return [path]
-        k = len(shards)
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            path = dst / f"model-{i:05d}-of-{k:05d}.safetensors"
-            write_safetensors_file(path, shard, infos, fetch, metadata, bar.update)
-            weight_map.update(dict.fromkeys(shard, path.name))
-            written.append(path)
-    index = {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}
-    (dst / INDEX).write_text(json.dumps(index, indent=1))
-    return written + [dst / INDEX]
+    k = len(shards)
+    files = ["model.safetensors"] if k == 1 else [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
+    with staged(dst) as out, _progress(total, "convert", progress) as bar:
+        for name, shard in zip(files, shards):
+            write_safetensors_file(out / name, shard, infos, fetch, metadata, bar.update)
+        if k > 1:
+            weight_map = {n: name for name, shard in zip(files, shards) for n in shard}
+            index = {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}
+            (out / INDEX).write_text(json.dumps(index, indent=1))
+            files.append(INDEX)
+    return [dst / name for name in files]
 
 
 def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = None, progress: bool = True,
@@ -114,16 +173,21 @@ def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = N
     model.safetensors (fp32 weights), optim.safetensors (fp32 exp_avg / exp_avg_sq, where the source
     has them), optim.json (AdamW step per parameter), trainer.json and meta.json with its manifest.
     zerodp.checkpoint.verify() accepts the result; `step` overrides the source's training step."""
+    dst = Path(dst)
+    check_destination(dst, "zerodp", overwrite, _read_paths(source))
+    with staged(dst) as out:
+        _write_zerodp_into(out, source, step if step is not None else source.step(), progress)
+    return dst
+
+
+def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | None, progress: bool) -> None:
     from zerodp.checkpoint import FORMAT_VERSION, sha256_file
 
-    dst = Path(dst)
     names = source.param_names()
     infos = {n: TensorInfo(source.info(n).shape, torch.float32) for n in names}
     moments = [n for n in names if all(source.has(n, k) for k in MOMENTS)]
     m_names = [f"{n}/{k}" for n in moments for k in MOMENTS]
     m_infos = {f"{n}/{k}": infos[n] for n in moments for k in MOMENTS}
-    train_step = step if step is not None else source.step()
-    _prepare_dir(dst, overwrite)
     metadata = _source_metadata(source)
     total = sum(i.nbytes for i in infos.values()) + sum(i.nbytes for i in m_infos.values())
     with _progress(total, "convert", progress) as bar:
@@ -153,4 +217,3 @@ def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = N
     tmp = dst / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, dst / "meta.json")  # written last, as zerodp's own save does
-    return dst

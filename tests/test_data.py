@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -56,3 +58,46 @@ def test_prefetch_yields_the_same_batches_as_direct_calls(tiny):
     for s, mbs in got:
         want = data.rank_micro_batches(s, cfg.train.global_batch_size, cfg.train.micro_batch_size, 1, 2)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(mbs, want))
+
+
+def test_a_users_text_is_read_whole_and_what_was_read_is_said(tmp_path, tiny, capsys):
+    """data.max_bytes (200,000 in `tiny`) bounds the built-in corpus only: a user's text is never cut."""
+    big = tmp_path / "big.txt"
+    big.write_bytes(bytes(range(32, 127)) * 3158 + b"the end")  # 300,017 bytes
+    cfg = load_config(None, tiny + [f"data.source={big}", f"data.cache_dir={tmp_path / 'cache'}"])
+    tokens = load_tokens(cfg)
+    assert len(tokens) == 300_017 and bytes(np.asarray(tokens[-7:], dtype=np.uint8)) == b"the end"
+    said = f"zerodp: data.source={big}: read 1 file, 300,017 bytes -> 300,017 byte-level tokens"
+    assert capsys.readouterr().err == said + "\n"
+    load_tokens(cfg)
+    assert capsys.readouterr().err == said + " (cached)\n"
+
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"a" * 150_000)
+    (folder / "b.md").write_bytes(b"b" * 100_001)
+    (folder / "empty.txt").write_bytes(b"")
+    cfg = load_config(None, tiny + [f"data.source={folder}", f"data.cache_dir={tmp_path / 'cache'}"])
+    assert len(load_tokens(cfg)) == 250_001
+    assert capsys.readouterr().err == (f"zerodp: data.source={folder}: read 2 of 3 files, 250,001 bytes -> "
+                                       f"250,001 byte-level tokens\n")
+
+
+def test_the_builtin_corpus_stops_at_max_bytes_and_says_so(tmp_path, tiny, capsys):
+    cfg = load_config(None, tiny + ["data.max_bytes=150000", f"data.cache_dir={tmp_path}"])
+    assert len(load_tokens(cfg)) == 150_000
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"zerodp: data\.source=builtin: read \d+ of \d+ files, 150,000 bytes -> 150,000 byte-level "
+                        r"tokens \(the built-in corpus stops at data\.max_bytes=150,000\)\n", err), err
+
+
+def test_only_rank_0_says_what_was_read(tmp_path, tiny, capsys, monkeypatch):
+    (tmp_path / "a.txt").write_text("hello world " * 100)
+    cfg = load_config(None, tiny + [f"data.source={tmp_path / 'a.txt'}", f"data.cache_dir={tmp_path / 'cache'}"])
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 1)
+    assert len(load_tokens(cfg)) == 1200
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    load_tokens(cfg)
+    assert "read 1 file, 1,200 bytes -> 1,200 byte-level tokens" in capsys.readouterr().err

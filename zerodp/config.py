@@ -59,7 +59,8 @@ class DataConfig:
     cache_dir: Optional[str] = None
     """Where tokenized data is cached as a memory-mapped file; default ~/.cache/zerodp."""
     max_bytes: int = 4_000_000
-    """Upper bound on the text read for the built-in corpus or a folder (keeps the demo fast)."""
+    """Bytes of the built-in corpus read (its first files up to this many; keeps the demo fast). A text
+    file or folder of your own is always read whole; what was read is printed when training starts."""
     prefetch: int = 2
     """Global batches prepared ahead of the training step by a background thread."""
 

@@ -5,9 +5,10 @@ the same whatever the world size and micro-batch split; rank r takes rows
 [r * per_rank, (r + 1) * per_rank) of it, cut into micro batches. A run on 1 process and one on N
 processes therefore see exactly the same samples per step, and resuming needs only the step number.
 
-Sources: 'builtin' (the Python standard library's own source files, present wherever Python is), a text
-file, a folder of text files (both byte-level: token = byte, vocabulary 256), or a pre-tokenized token
-file (.bin, nanoGPT's layout: a flat array of uint16 or uint32 token ids).
+Sources: 'builtin' (the Python standard library's own source files, present wherever Python is, up to
+data.max_bytes), a text file, a folder of text files (both read whole; all three byte-level: token =
+byte, vocabulary 256), or a pre-tokenized token file (.bin, nanoGPT's layout: a flat array of uint16 or
+uint32 token ids). What a text source gave (files, bytes, tokens) is said once on stderr.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import os
 import queue
 import socket
+import sys
 import sysconfig
 import threading
 import uuid
@@ -46,41 +48,74 @@ def _text_files(source: str) -> list[Path]:
     raise UserError(f"data.source {source!r} not found; use 'builtin', a text file or folder, or a .bin token file")
 
 
+def _text_plan(cfg: Config) -> tuple[list[tuple[Path, int]], int]:
+    """The files to read with the bytes to take from each, and how many files the source holds.
+
+    A user's own text is read whole. Only the built-in corpus (the standard library's source, tens of
+    MB) stops at data.max_bytes, which keeps the demo's tokenizing quick."""
+    files = _text_files(cfg.data.source)
+    limit = cfg.data.max_bytes if cfg.data.source == "builtin" else None
+    plan, total = [], 0
+    for f in files:
+        n = f.stat().st_size if limit is None else min(f.stat().st_size, limit - total)
+        if n > 0:
+            plan.append((f, n))
+            total += n
+        if limit is not None and total >= limit:
+            break
+    return plan, len(files)
+
+
 def _cache_dir(cfg: Config) -> Path:
     return Path(cfg.data.cache_dir or os.environ.get("ZERODP_CACHE", Path.home() / ".cache" / "zerodp"))
 
 
-def _tokenize_to_cache(cfg: Config) -> Path:
-    """Byte-level tokenize the text source once into a uint16 memmap file; return its path."""
-    files = _text_files(cfg.data.source)
+_CHUNK = 1 << 24  # bytes tokenized at a time: a large text never sits in memory whole
+
+
+def _tokenize_to_cache(cfg: Config, plan: list[tuple[Path, int]]) -> tuple[Path, bool]:
+    """Byte-level tokenize `plan` once into a uint16 memmap file; return its path and whether it was
+    already cached."""
     key = hashlib.sha256()
-    for f in files:
+    for f, n in plan:
         st = f.stat()
-        key.update(f"{f}:{st.st_size}:{st.st_mtime_ns}".encode())
-    key.update(str(cfg.data.max_bytes).encode())
+        key.update(f"{f}:{st.st_size}:{st.st_mtime_ns}:{n}".encode())
     out = _cache_dir(cfg) / f"bytes-{key.hexdigest()[:16]}.bin"
     if out.exists():
-        return out
+        return out, True
     out.parent.mkdir(parents=True, exist_ok=True)
-    chunks, total = [], 0
-    for f in files:
-        data = f.read_bytes()[: cfg.data.max_bytes - total]
-        chunks.append(data)
-        total += len(data)
-        if total >= cfg.data.max_bytes:
-            break
-    if total == 0:
-        raise UserError(f"data.source {cfg.data.source!r} holds no text (its files are empty); point it at text")
-    tokens = np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.uint16)
     # unique per process and host: ranks of several nodes may share the cache folder
     tmp = out.with_suffix(f".tmp-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tokens.tofile(tmp)
+    with open(tmp, "wb") as sink:
+        for f, n in plan:
+            with open(f, "rb") as text:
+                while n > 0 and (chunk := text.read(min(n, _CHUNK))):
+                    np.frombuffer(chunk, dtype=np.uint8).astype(np.uint16).tofile(sink)
+                    n -= len(chunk)
     os.replace(tmp, out)  # atomic: ranks racing to build the cache all publish the same bytes
-    return out
+    return out, False
+
+
+def _on_rank0() -> bool:
+    """Rank 0 of the process group, or a process without one: the data is loaded on every rank, and
+    what it is gets said once."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+        or torch.distributed.get_rank() == 0
+
+
+def _say_what_was_read(cfg: Config, plan: list[tuple[Path, int]], n_files: int, tokens: int, cached: bool) -> None:
+    files = f"{len(plan)} of {n_files} files" if len(plan) < n_files else \
+        f"{n_files} file{'s' if n_files > 1 else ''}"
+    notes = ["cached"] if cached else []
+    if cfg.data.source == "builtin":
+        notes.append(f"the built-in corpus stops at data.max_bytes={cfg.data.max_bytes:,}")
+    print(f"zerodp: data.source={cfg.data.source}: read {files}, {sum(n for _, n in plan):,} bytes -> {tokens:,} "
+          f"byte-level tokens" + (f" ({'; '.join(notes)})" if notes else ""), file=sys.stderr, flush=True)
 
 
 def load_tokens(cfg: Config) -> np.ndarray:
-    """The whole token stream as a read-only memmap."""
+    """The whole token stream as a read-only memmap. For a text source, rank 0 (or a process without
+    a process group) says on stderr what was read: files, bytes and tokens."""
     src = cfg.data.source
     if src != "builtin" and src.endswith(".bin"):
         path, dtype = Path(src), np.dtype(cfg.data.token_dtype)
@@ -90,12 +125,18 @@ def load_tokens(cfg: Config) -> np.ndarray:
             raise UserError(f"data.source {src} is empty; give a .bin file of {dtype.name} token ids")
         if path.stat().st_size % dtype.itemsize:
             raise UserError(f"{src} is not a whole number of {dtype.name} tokens; check data.token_dtype")
+        tokens = np.memmap(path, dtype=dtype, mode="r")
     else:
         if cfg.model.vocab_size < 256:
             raise UserError(f"model.vocab_size={cfg.model.vocab_size} is below 256, too small for byte-level "
                             f"text from data.source={src!r}; set model.vocab_size >= 256")
-        path, dtype = _tokenize_to_cache(cfg), np.dtype(np.uint16)
-    tokens = np.memmap(path, dtype=dtype, mode="r")
+        plan, n_files = _text_plan(cfg)
+        if not plan:
+            raise UserError(f"data.source {src!r} holds no text (its files are empty); point it at text")
+        path, cached = _tokenize_to_cache(cfg, plan)
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        if _on_rank0():
+            _say_what_was_read(cfg, plan, n_files, len(tokens), cached)
     sample_max = int(tokens[: 1 << 20].max()) if len(tokens) else 0
     if sample_max >= cfg.model.vocab_size:
         raise UserError(f"{path} holds token id {sample_max} >= model.vocab_size={cfg.model.vocab_size}; "

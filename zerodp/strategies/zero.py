@@ -230,7 +230,8 @@ class ZeroStrategy:
         """Resume from DeepSpeed's files without DeepSpeed's loader: `engine.load_checkpoint` unpickles
         with weights_only=False, i.e. runs whatever the files ask for. zerodp reads the same files with
         its allowlisted loader (zerodp.convert) and sets each rank's part (`load_full`): the fp32
-        master weights, moments and step come back exactly, and so does fp16's dynamic loss scale."""
+        master weights, moments and step come back exactly, and so do the engine's step counters and
+        fp16's dynamic loss scale."""
         from zerodp.convert import open_checkpoint
 
         with open_checkpoint(ckpt_dir) as source:
@@ -252,7 +253,8 @@ class ZeroStrategy:
 
     def load_full(self, state: FullState) -> None:
         """Start from full fp32 tensors (any checkpoint, any world size): set each parameter's working
-        copy, this rank's fp32 master fragment and, if the source has them, its AdamW moments.
+        copy, this rank's fp32 master fragment and, if the source has them, its AdamW moments. On a
+        resume (not `model.init_from`) the engine's step counters continue from the source's step.
         Collective-free but must run on every rank in the same order."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -281,6 +283,30 @@ class ZeroStrategy:
                         _copy_partition(zero_opt._get_fp32_opt_state_partition(p, False, kind)[0], value, rank)
                     else:
                         safe_set_full_optimizer_state(p, value, kind)
+        if state.with_optimizer or self._own_checkpoint(state.source):
+            self._resume_counters(state.source)
+
+    def _own_checkpoint(self, source) -> bool:
+        """Whether `source` is one of this run's own checkpoints: how a resume from a weights-only
+        import (zerodp convert model.safetensors ... --to zerodp) differs from `model.init_from`, which
+        starts at step 0. A resume from a checkpoint with optimizer state is told by that state alone."""
+        from zerodp.checkpoint import checkpoint_root
+
+        return Path(source.path).resolve().parent == checkpoint_root(self.ctx.cfg.train.out_dir).resolve()
+
+    def _resume_counters(self, source) -> None:
+        """Set the engine's step counters to the checkpoint's training step, as DeepSpeed's own loader
+        would. Left at 0, they restart at every resume: its files (global_steps, global_samples,
+        skipped_steps) would count the steps since the resume, and a DeepSpeed folder imported with
+        `zerodp convert ... --to zerodp` would resume there, replaying data and learning rate. AdamW's
+        own step per group came with the moments (`_create_optimizer_state`); DeepSpeed has no
+        scheduler here (zerodp owns the lr, see OWNED)."""
+        step = int(source.step() or 0)
+        self.model.global_steps = step
+        self.model.micro_steps = step  # the loop calls engine.step() once per optimizer step
+        # DeepSpeed's own rule for files that lack it; zerodp's global batch is the engine's train_batch_size
+        self.model.global_samples = step * self.model.train_batch_size()
+        self.model.skipped_steps = _skipped_steps(source)
 
     def _create_optimizer_state(self, state: FullState) -> None:
         """AdamW creates its state at the first step; create it now over DeepSpeed's flat fp32
@@ -301,6 +327,18 @@ class ZeroStrategy:
 
 # What DynamicLossScaler learns while training; its other fields come from the config.
 _DYNAMIC_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def _skipped_steps(source) -> int:
+    """fp16 steps DeepSpeed skipped on overflow (counted in global_steps too), as its files record
+    them; 0 for checkpoints of other strategies, which do not count them."""
+    from zerodp.convert.deepspeed_ckpt import DeepSpeedSource
+    from zerodp.convert.safeload import safe_torch_load
+
+    inner = getattr(source, "inner", source)  # a zerodp checkpoint holding DeepSpeed's files
+    if not isinstance(inner, DeepSpeedSource):
+        return 0
+    return int(safe_torch_load(inner.model_file).get("skipped_steps") or 0)
 
 
 def _adam_step(optimizer: torch.optim.Optimizer, step: float):

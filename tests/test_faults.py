@@ -71,7 +71,7 @@ def test_sigkill_at_random_moments_restarts_bit_identical(tiny, tmp_path):
         os.kill(victim, signal.SIGKILL)
         log = agent.communicate(timeout=300)[0].decode(errors="replace")
         assert agent.returncode == 0, log[-3000:]
-        assert "resumed from" in log, f"trial {trial}: no restart seen\n{log[-3000:]}"
+        assert "resuming from" in log, f"trial {trial}: no restart seen\n{log[-3000:]}"
         got = final_weights(out)
         assert got.keys() == want.keys()
         for name in want:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +42,26 @@ def checkpoint_root(out_dir: str | Path) -> Path:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+_STEP_DIR = re.compile(r"step_\d{8}")
+
+
+def is_step_dir(p: Path) -> bool:
+    """A published checkpoint's folder name: not `.tmp` (a save in progress) nor `.damaged` (set aside)."""
+    return bool(_STEP_DIR.fullmatch(p.name)) and p.is_dir()
+
+
+def set_aside(ckpt: Path, reason: str) -> Path:
+    """Rename a damaged checkpoint out of the way (never delete what was saved); say so once, here."""
+    target = ckpt.with_name(ckpt.name + ".damaged")
+    n = 1
+    while target.exists():
+        n += 1
+        target = ckpt.with_name(f"{ckpt.name}.damaged{n}")
+    os.replace(ckpt, target)
+    print(f"zerodp: warning: checkpoint {ckpt.name} is damaged ({reason}); set aside as {target}", file=sys.stderr)
+    return target
 
 
 def sha256_file(path: Path) -> str:
@@ -120,21 +142,47 @@ def _manifest_share(tmp: Path, rank: int, world: int) -> dict:
     model's checkpoint is terabytes that one rank would take hours to read."""
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     share = {}
+    mode = 0o666 & ~_umask()
     for p in files[rank::world]:
+        if p.stat().st_mode & 0o777 != mode:  # safetensors writes 0600: give every file the umask's mode
+            os.chmod(p, mode)
         with open(p, "rb") as f:
             os.fsync(f.fileno())
         share[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
     return share
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux), else by setting and restoring it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _publish(tmp: Path, final: Path, root: Path, files: dict, meta: dict, step: int, keep_last: int) -> None:
     meta = dict(meta, format_version=FORMAT_VERSION, step=step, files=files)
     (tmp / META).write_text(json.dumps(meta, indent=1))
     _fsync_tree(tmp, [tmp / META])
-    if final.exists():  # a complete checkpoint of the same step from an earlier attempt
-        shutil.rmtree(final)
+    old = None
+    if final.exists():  # the same step from an earlier attempt: damaged ones are kept, set aside
+        problem = verify(final, deep=False)
+        if problem:
+            set_aside(final, problem)
+        else:
+            old = final.with_name(final.name + ".replaced")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
     os.replace(tmp, final)
     _write_atomic(root / "latest", final.name + "\n")
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     _apply_retention(root, keep_last, final)
 
 
@@ -172,13 +220,19 @@ def _agree(error: str | None, tmp: Path, step: int, root: Path) -> None:
 
 
 def _apply_retention(root: Path, keep_last: int, current: Path) -> None:
-    """Delete complete checkpoints older than the newest `keep_last` up to `current` (just published,
-    never deleted). Later-numbered folders (skipped as broken at resume) are left for inspection."""
-    complete = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-                      and (p / META).exists() and p.name <= current.name)
-    for old in complete[:-keep_last]:
-        if old != current:
-            shutil.rmtree(old, ignore_errors=True)
+    """Keep the newest `keep_last` intact checkpoints up to `current` (just published, never deleted)
+    and delete older intact ones. A damaged one (missing or truncated file, by the manifest's sizes)
+    does not count toward `keep_last`: it is set aside, never deleted. Later-numbered folders are
+    left alone."""
+    intact = []
+    for p in sorted((p for p in root.glob("step_*") if is_step_dir(p) and p.name <= current.name), reverse=True):
+        problem = None if p == current else verify(p, deep=False)
+        if problem:
+            set_aside(p, problem)
+        else:
+            intact.append(p)
+    for old in intact[keep_last:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def verify(ckpt: Path, deep: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
@@ -208,18 +262,35 @@ def verify(ckpt: Path, deep: bool = True, share: tuple[int, int] = (0, 1)) -> st
     return None
 
 
+@dataclass
+class ResumePoint:
+    """What `resume_point` found: the newest intact checkpoint (or None) and the damaged ones skipped."""
+
+    path: Path | None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """(checkpoint name, what is wrong with it), newest first."""
+
+
 def find_resumable(out_dir: str | Path) -> Path | None:
-    """The newest complete, intact checkpoint under out_dir; broken newer ones are skipped with a warning.
+    """The newest complete, intact checkpoint under out_dir; broken newer ones are skipped with a warning."""
+    return resume_point(out_dir, set_aside_damaged=False).path
+
+
+def resume_point(out_dir: str | Path, set_aside_damaged: bool = True) -> ResumePoint:
+    """The newest complete, intact checkpoint under out_dir, skipping damaged newer ones (set aside, i.e.
+    renamed `*.damaged` by rank 0 when `set_aside_damaged`, so they are reported once and never counted
+    again; otherwise only warned about).
 
     Collective when a process group is up: the ranks share the sha256 reading (each hashes every
     world-th file, as at save time) and all return the same answer."""
     ranked = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if ranked else (0, 1)
     root = checkpoint_root(out_dir)
-    candidates = sorted((p.name for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")),
-                        reverse=True) if root.is_dir() else []
+    candidates = sorted((p.name for p in root.glob("step_*") if is_step_dir(p)), reverse=True) \
+        if root.is_dir() else []
     if ranked:  # one listing for all ranks, whatever each one's view of the file system
         candidates = broadcast_object(candidates)
+    found = ResumePoint(None)
     for name in candidates:
         problem = verify(root / name, share=(rank, world))
         if ranked:
@@ -227,10 +298,43 @@ def find_resumable(out_dir: str | Path) -> Path | None:
             dist.all_gather_object(problems, problem)
             problem = next((p for p in problems if p), None)
         if problem is None:
-            return root / name
+            found.path = root / name
+            break
+        found.skipped.append((name, problem))
         if rank == 0:
-            print(f"zerodp: warning: skipping checkpoint {name}: {problem}", file=sys.stderr)
-    return None
+            if set_aside_damaged:
+                set_aside(root / name, problem)
+            else:
+                print(f"zerodp: warning: skipping checkpoint {name}: {problem}", file=sys.stderr)
+    return found
+
+
+# Model settings that do not change the weights or what they compute: free to differ on resume.
+FREE_MODEL_KEYS = ("dropout", "activation_checkpointing", "init_from")
+
+
+@dataclass
+class ModelCheck:
+    problem: str | None
+    """How the checkpoint's model differs from the one configured, or None when they match."""
+    has_optimizer: bool
+    """Whether the checkpoint holds AdamW moments for every parameter (else it is weights only)."""
+
+
+def check_model(path: str | Path, model_cfg: dict, shapes: dict[str, tuple]) -> ModelCheck:
+    """Compare the model a checkpoint holds with the configured one, before anything is loaded or
+    written: first the model settings meta.json records (naming each differing key), then the
+    parameter names and shapes. Reads metadata only (headers, manifests), no tensor data."""
+    from zerodp.convert import open_checkpoint
+    from zerodp.strategies.common import FullState
+
+    with open_checkpoint(path) as source:
+        state = FullState(source, with_optimizer=True)
+        saved = (source.meta.get("config") or {}).get("model") or {}
+        diffs = [f"model.{k}={saved[k]!r} there, {ours!r} here" for k, ours in model_cfg.items()
+                 if k not in FREE_MODEL_KEYS and k in saved and saved[k] != ours]
+        problem = ", ".join(diffs) if diffs else state.mismatch(shapes)
+        return ModelCheck(problem, state.with_optimizer)
 
 
 def read_meta(ckpt: Path) -> dict:
@@ -254,13 +358,17 @@ def load(strategy, ckpt: Path, world_size: int) -> dict:
 
         with open_checkpoint(ckpt) as source:
             strategy.load_full(FullState(source, with_optimizer=True))
+    trainer = json.loads((ckpt / "trainer.json").read_text())
+    resume_at = getattr(strategy, "resume_at", None)  # optional: an engine that counts steps itself
+    if resume_at is not None:
+        resume_at(int(trainer["step"]))
     rng_file = ckpt / f"rng_rank{dist.get_rank()}.safetensors"
     if meta["world_size"] == world_size and rng_file.exists():  # RNG streams are per rank
         rng = load_file(rng_file)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    return json.loads((ckpt / "trainer.json").read_text())
+    return trainer
 
 
 def init_from(strategy, path: str) -> None:

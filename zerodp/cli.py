@@ -1,4 +1,4 @@
-"""`zerodp` command line: train, plan, convert, inspect.
+"""`zerodp` command line: train, plan, convert, inspect, config.
 
 User errors (UserError) become one line on stderr and exit code 2, never a traceback.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+import warnings
 
 from zerodp.errors import PeerFailure, UserError
 
@@ -22,10 +24,32 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a GPT under any launcher (deepspeed, torchrun, python)",
                        description="Train per CONFIG.yaml, with section.key=value overrides.")
     p.add_argument("config", help="training config, e.g. configs/tiny.yaml")
-    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=50")
-    p.add_argument("--fresh", action="store_true", help="start from scratch even if out_dir has checkpoints")
-    p.add_argument("--dry-run", action="store_true", help="print the plan and resolved config, then exit")
+    # default=[]: argparse otherwise lists an empty nargs="*" positional among the missing arguments
+    p.add_argument("overrides", nargs="*", default=[], help="section.key=value, e.g. train.max_steps=50")
+    p.add_argument("--fresh", action="store_true",
+                   help="start from step 0 even if out_dir has checkpoints (they are moved aside, not deleted)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check that needs no process group, print the plan, the resolved config, the "
+                        "keys that differ from the defaults and where the run would start; then exit")
     p.set_defaults(func=_run_train)
+
+
+def _add_config(sub) -> None:
+    p = sub.add_parser("config", help="list every training config key with its type, default and meaning",
+                       description="Print every key a training config (or a section.key=value override) accepts, "
+                                   "grouped by section, with its type, default and what it does.")
+    p.add_argument("section", nargs="?", default=None,
+                   help="only this section: model, data, optim, train, strategy or checkpoint")
+    p.set_defaults(func=_run_config)
+
+
+def _run_config(args) -> int:
+    from zerodp.config import _SECTIONS, format_field_docs
+
+    if args.section is not None and args.section not in _SECTIONS:
+        raise UserError(f"there is no config section {args.section!r}; choose one of {', '.join(_SECTIONS)}")
+    print(format_field_docs(args.section))
+    return 0
 
 
 def _run_train(args) -> int:
@@ -33,13 +57,13 @@ def _run_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
-        return _dry_run(cfg)
+        return _dry_run(cfg, args.fresh)
     from zerodp.dist import shutdown
     from zerodp.train import train
 
-    train(cfg, fresh=args.fresh)
+    summary = train(cfg, fresh=args.fresh)
     shutdown()  # only after success: with a dead peer, teardown itself could block
-    return 0
+    return summary["exit_code"]
 
 
 def _strip_local_rank(argv: list[str]) -> list[str]:
@@ -57,12 +81,16 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
-def _dry_run(cfg) -> int:
-    """Print the plan and the resolved config for this launch, without training."""
+def _dry_run(cfg, fresh: bool) -> int:
+    """Run every check of a launch that needs no process group, then print the plan, the resolved
+    config, the keys that differ from the defaults and where the run would start. Writes nothing."""
     import torch
 
-    from zerodp.config import dump_yaml
+    from zerodp.config import changed_keys, dump_yaml
+    from zerodp.data import load_tokens
     from zerodp.planner import plan_for_training
+    from zerodp.start import plan_start
+    from zerodp.strategies import check_config
     from zerodp.train import device_memory, resolve_strategy
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -71,6 +99,9 @@ def _dry_run(cfg) -> int:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     resolved, plan = resolve_strategy(cfg, world, device, local)
+    check_config(resolved, world, accum)  # the strategy's own settings (strategy.deepspeed keys, offload)
+    start = plan_start(resolved, fresh, set_aside_damaged=False)  # model vs checkpoint / init_from
+    tokens = load_tokens(resolved)  # the data source exists and its tokens fit the vocabulary
     if plan is None:
         memory, name = device_memory(device, local)
         plan = plan_for_training(cfg, world, memory, name)
@@ -79,12 +110,20 @@ def _dry_run(cfg) -> int:
         print()
         print(dump_yaml(resolved), end="")
         print(f"# world_size {world}, grad_accum_steps {accum}, strategy {resolved.strategy.name}")
+        changed = changed_keys(cfg)
+        print("# differs from the defaults (zerodp config lists them all): "
+              + (", ".join(f"{k}={v!r}" for k, v, _ in changed) if changed else "nothing"))
+        print(f"# data: {len(tokens):,} tokens from {cfg.data.source}")
+        print(f"# {start.why}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from zerodp import __version__
+
     parser = _Parser(prog="zerodp", description="Data-parallel GPT training: one pipeline, any strategy.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,plan,convert,inspect}", parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"zerodp {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,plan,convert,inspect,config}", parser_class=_Parser)
     sub.required = True
     _add_train(sub)
     from zerodp.convert import cli as convert_cli
@@ -93,10 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cli.add_parser(sub)
     convert_cli.add_convert_parser(sub)
     convert_cli.add_inspect_parser(sub)
+    _add_config(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch's and DeepSpeed's deprecation notices about their own internals (e.g. DeepSpeed calling
+    # all_gather_into_tensor) name nothing a zerodp user can change.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|deepspeed)(\.|$)")
     argv = _strip_local_rank(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -109,14 +152,42 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"zerodp: error: {e}", file=sys.stderr)
+        _print_user_error(str(e))
         return _exit_code(2)
     except PeerFailure as e:
         print(f"zerodp: error: {e}", file=sys.stderr)
         return _exit_code(1)
+    except BrokenPipeError:  # `zerodp config | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
+        if os.environ.get("RANK", "0") == "0":
+            print("\nzerodp: stopped by Ctrl-C; the newest checkpoint (if any) is intact, nothing since it was "
+                  "saved; run the same command again to continue", file=sys.stderr)
         return _exit_code(130)
+
+
+# How long a rank other than 0 waits before printing an error that every rank found on its own.
+PEER_ERROR_DELAY_S = 3.0
+
+
+def _print_user_error(message: str) -> None:
+    """One line from rank 0, always seen.
+
+    Errors found after the process group is up are shared by the ranks (zerodp.train.agree) and printed
+    by rank 0 alone. One found before it (a config error: the same on every rank) is found by every
+    rank at once, and a launcher that sees any rank exit kills the others, so rank 0 could be killed
+    before it prints. The other ranks therefore wait PEER_ERROR_DELAY_S and print it too if still alive:
+    under a launcher, rank 0 has printed and exited by then and the launcher kills them first, so the
+    user sees one line; when rank 0 never got to print, theirs is the line."""
+    dist = sys.modules.get("torch.distributed")
+    grouped = dist is not None and dist.is_available() and dist.is_initialized()
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0 and grouped:
+        return
+    if rank != 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(PEER_ERROR_DELAY_S)
+    print(f"zerodp: error: {message}", file=sys.stderr, flush=True)
 
 
 def _exit_code(code: int) -> int:

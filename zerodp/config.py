@@ -78,8 +78,11 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not biases, norms or embeddings)."""
     beta1: float = 0.9
+    """AdamW's decay rate of the first moment (the gradient's running mean)."""
     beta2: float = 0.95
+    """AdamW's decay rate of the second moment (the squared gradient's running mean)."""
     eps: float = 1e-8
+    """Added to the root of the second moment in AdamW's denominator."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm; 0 disables clipping."""
     scale_lr_with_batch: bool = False
@@ -107,7 +110,9 @@ class TrainConfig:
     eval_batches: int = 4
     """Micro batches per rank used for one validation."""
     progress: bool = True
-    """Show a live progress bar on rank 0."""
+    """Show a live progress bar on rank 0; false prints one line every log_every steps instead."""
+    log_every: int = 10
+    """Without a progress bar (train.progress=false), print loss, lr and tokens/s every this many steps."""
     sample_tokens: int = 200
     """Tokens generated from the final model and printed at the end; 0 disables."""
     device: str = "auto"
@@ -115,9 +120,9 @@ class TrainConfig:
     preempt_grace_s: float = 120.0
     """After SIGTERM/SIGUSR1: finish the step, save and exit within this many seconds, else exit hard."""
     straggler_margin: float = 0.2
-    """A rank whose step takes this fraction longer than the median is slow..."""
-    straggler_patience: int = 3
-    """...and is reported as a straggler after this many consecutive slow steps."""
+    """A rank whose step takes this fraction longer than the median of the other ranks' is slow..."""
+    straggler_patience: int = 5
+    """...and is reported as a straggler (once per slow spell) after this many consecutive slow steps."""
 
 
 @dataclass
@@ -155,7 +160,8 @@ class CheckpointConfig:
     every: int = 50
     """Save every this many optimizer steps (and always at the end); 0 saves only at the end."""
     keep_last: int = 3
-    """Checkpoints kept on disk; older ones are deleted after a newer one is complete."""
+    """Intact checkpoints kept on disk; older ones are deleted after a newer one is complete. A damaged
+    checkpoint does not count: it is set aside (renamed `*.damaged`), never deleted."""
     resume: bool = True
     """Resume from the newest checkpoint in out_dir when one exists (`--fresh` sets false)."""
 
@@ -221,6 +227,7 @@ class Config:
         _one_of("train.device", t.device, ("auto", "cpu", "cuda"))
         _non_negative("train.eval_every", t.eval_every)
         _positive("train.eval_batches", t.eval_batches)
+        _positive("train.log_every", t.log_every)
         _non_negative("train.sample_tokens", t.sample_tokens)
         _positive("train.preempt_grace_s", t.preempt_grace_s)
         _positive("train.straggler_margin", t.straggler_margin)
@@ -463,3 +470,84 @@ def lr_at(cfg: Config, step: int) -> float:
     decay = o.decay_steps if o.decay_steps is not None else max(1, cfg.train.max_steps - o.warmup_steps)
     progress = min(1.0, (step - o.warmup_steps) / decay)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Discoverability: `zerodp config` and `--dry-run`
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class FieldDoc:
+    key: str
+    """`section.key`, as written in overrides."""
+    type: str
+    default: Any
+    doc: str
+
+
+def field_docs() -> list[FieldDoc]:
+    """Every config key with its type, default and docstring, in declaration order.
+
+    The docstrings are the string literals under each field in this file (read with `ast`, so they
+    stay where a reader of the code sees them); a field whose doc continues the previous one's
+    sentence (`...`) shares it."""
+    import ast
+    import inspect
+
+    docs: dict[tuple[str, str], str] = {}
+    tree = ast.parse(inspect.getsource(inspect.getmodule(Config)))
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for i, stmt in enumerate(body):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                    docs[(node.name, stmt.target.id)] = " ".join(nxt.value.value.split())
+    out = []
+    defaults = Config()
+    for section, cls in _section_types().items():
+        for name, typ in _field_types(cls).items():
+            out.append(FieldDoc(f"{section}.{name}", _type_name(typ), getattr(getattr(defaults, section), name),
+                                docs.get((cls.__name__, name), "")))
+    return out
+
+
+def _type_name(typ: Any) -> str:
+    if typing.get_origin(typ) is typing.Union:
+        (inner,) = [a for a in typing.get_args(typ) if a is not type(None)]
+        return f"{_type_name(inner)} or null"
+    return {dict: "mapping"}.get(typ, getattr(typ, "__name__", str(typ)))
+
+
+def format_field_docs(section: str | None = None) -> str:
+    """`zerodp config`'s text: keys grouped by section, each with type, default and what it does."""
+    lines, current = [], None
+    for f in field_docs():
+        sec = f.key.split(".", 1)[0]
+        if section is not None and sec != section:
+            continue
+        if sec != current:
+            if current is not None:
+                lines.append("")
+            lines.append(f"{sec}:")
+            current = sec
+        default = yaml.safe_dump(f.default, default_flow_style=True).strip().removesuffix("...").strip()
+        lines.append(f"  {f.key} ({f.type}, default {default})")
+        if f.doc:
+            lines.append(f"      {f.doc}")
+    return "\n".join(lines)
+
+
+def changed_keys(cfg: Config) -> list[tuple[str, Any, Any]]:
+    """(section.key, value, default) for every key where `cfg` differs from the defaults."""
+    defaults, out = Config(), []
+    for section in _SECTIONS:
+        ours, base = getattr(cfg, section), getattr(defaults, section)
+        for f in dataclasses.fields(ours):
+            value, default = getattr(ours, f.name), getattr(base, f.name)
+            if value != default:
+                out.append((f"{section}.{f.name}", value, default))
+    return out

@@ -1,8 +1,9 @@
 """Surviving the things that go wrong at scale: preemption, dead or hung peers, stragglers.
 
-- `Preemption`: SIGTERM or SIGUSR1 (Slurm's warning before the time limit) sets a flag; the loop shares
-  it with the step's metrics, so every rank finishes the current step, saves, and exits together. A
-  watchdog ends the process if that takes longer than the grace period.
+- `Preemption`: SIGTERM, SIGUSR1 (Slurm's warning before the time limit) or a first Ctrl-C (SIGINT)
+  sets a flag; the loop shares it with the step's metrics, so every rank finishes the current step,
+  saves, and exits together. A second Ctrl-C stops at once. A watchdog ends the process if saving takes
+  longer than the grace period.
 - `Heartbeat`: each rank records its last finished step in the job's key-value store; when a
   collective fails or times out, the survivors name the rank(s) and host(s) that stopped answering.
 - `StragglerMonitor`: per-rank forward-pass time and data wait; a rank slower than the median by a
@@ -24,18 +25,22 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 
 class Preemption:
-    """Turns SIGTERM / SIGUSR1 into a request to checkpoint and stop after the current step."""
+    """Turns SIGTERM / SIGUSR1 / a first Ctrl-C into a request to checkpoint and stop after the current
+    step; a second Ctrl-C raises KeyboardInterrupt at once."""
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+    SAME_CTRL_C_S = 1.0
+    """A SIGINT this soon after the first is the same Ctrl-C forwarded by a launcher (torchrun sends
+    its workers the signal the terminal already sent them), not the user pressing it again."""
 
-    def __init__(self, grace_s: float):
+    def __init__(self, grace_s: float, announce: bool = True):
         self.grace_s = grace_s
+        self.announce = announce  # print what happens (rank 0)
         self.requested_at: float | None = None
         self.signal_name = ""
         self._previous = {}
@@ -49,11 +54,28 @@ class Preemption:
     def requested(self) -> bool:
         return self.requested_at is not None
 
+    CTRL_C = 2.0
+
+    @property
+    def request_code(self) -> float:
+        """0: no request; 1: SIGTERM/SIGUSR1 (exit 0 after the checkpoint, the job stopped cleanly);
+        CTRL_C: Ctrl-C (exit 130 after the checkpoint, as a shell expects). Shared by the step's
+        all-gather."""
+        if self.requested_at is None:
+            return 0.0
+        return self.CTRL_C if self.signal_name == "SIGINT" else 1.0
+
     def _handle(self, signum, frame) -> None:
         if self.requested_at is not None:
+            late = time.monotonic() - self.requested_at > self.SAME_CTRL_C_S
+            if signum == signal.SIGINT and late:
+                raise KeyboardInterrupt  # the second Ctrl-C: stop now
             return
         self.requested_at = time.monotonic()
         self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self.announce:
+            print("\nzerodp: Ctrl-C: finishing this step, then saving a checkpoint and exiting; "
+                  "press Ctrl-C again to stop at once without saving", file=sys.stderr, flush=True)
         threading.Thread(target=self._watchdog, daemon=True, name="zerodp-grace").start()
 
     def _watchdog(self) -> None:
@@ -111,36 +133,47 @@ class Heartbeat:
                 f"newest checkpoint); raise strategy.timeout_s if steps are legitimately slow")
 
 
-@dataclass
 class StragglerMonitor:
-    """Flags ranks whose step time exceeds the median by `margin` for `patience` consecutive steps."""
+    """Flags a rank whose step time exceeds the median of the *other* ranks' by `margin` (and by at
+    least MIN_EXCESS_S) for `patience` consecutive steps: sustained, not a spike (a busy host's noise comes and goes). Each rank is
+    reported once per slow spell, again only after it recovered and slowed down anew.
 
-    hosts: list[str]
-    margin: float = 0.2
-    patience: int = 3
-    streak: dict[int, int] = field(default_factory=dict)
-    waited_s: float = 0.0
-    reported: dict[int, str] = field(default_factory=dict)
+    The other ranks' median, not all ranks': with two ranks the median of both is their mean, which
+    would halve how much slower the slow one looks."""
+
+    MIN_EXCESS_S = 0.005
+    """Below this many seconds per step a slower rank costs nothing worth a warning, and on a busy host
+    millisecond forward passes jitter by more than any margin."""
+
+    def __init__(self, hosts: list[str], margin: float = 0.2, patience: int = 5):
+        self.hosts, self.margin, self.patience = hosts, margin, patience
+        self.streak: dict[int, int] = {}
+        self.waited_s = 0.0
+        """How long the job waited for its slowest rank, summed over steps (max - median)."""
+        self.reported: dict[int, str] = {}
+        """rank -> cause, for every rank reported during the run."""
 
     def update(self, compute: list[float], data_wait: list[float]) -> list[dict]:
         """Feed one step's per-rank compute (forward) and data-wait seconds; return the stragglers
-        confirmed at this step. `waited_s` accumulates how long the job waited for its slowest rank."""
+        confirmed at this step."""
         total = [c + d for c, d in zip(compute, data_wait)]
-        median = statistics.median(total)
-        self.waited_s += max(total) - median
+        self.waited_s += max(total) - statistics.median(total)
+        if len(total) < 2:
+            return []
         found = []
         for r, t in enumerate(total):
-            if median > 0 and t > median * (1 + self.margin):
-                self.streak[r] = self.streak.get(r, 0) + 1
-            else:
-                self.streak[r] = 0
-            if self.streak[r] >= self.patience:
-                excess_data = data_wait[r] - statistics.median(data_wait)
-                excess_compute = compute[r] - statistics.median(compute)
-                cause = "data loading stall" if excess_data > excess_compute else "slow compute"
-                found.append({"rank": r, "host": self.hosts[r], "step_time_s": t, "median_s": median,
-                              "slower_by": t / median - 1, "cause": cause})
-                self.reported[r] = cause
+            others = statistics.median(total[:r] + total[r + 1:])
+            slow = others > 0 and t > others * (1 + self.margin) and t - others > self.MIN_EXCESS_S
+            self.streak[r] = self.streak.get(r, 0) + 1 if slow else 0
+            if self.streak[r] != self.patience:
+                continue
+            rest = lambda xs: statistics.median(xs[:r] + xs[r + 1:])  # noqa: E731
+            excess_data = data_wait[r] - rest(data_wait)
+            excess_compute = compute[r] - rest(compute)
+            cause = "data loading stall" if excess_data > excess_compute else "slow compute"
+            found.append({"rank": r, "host": self.hosts[r], "step_time_s": t, "median_s": others,
+                          "slower_by": t / others - 1, "cause": cause})
+            self.reported[r] = cause
         return found
 
 

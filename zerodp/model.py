@@ -136,3 +136,10 @@ def flops_per_token(cfg: ModelConfig) -> int:
     lm_head = cfg.vocab_size * cfg.n_embd
     attention = cfg.n_layer * cfg.block_size * cfg.n_embd  # QK^T and AV per token, forward
     return 6 * (non_embedding + lm_head) + 12 * attention
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape, from a model built on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}

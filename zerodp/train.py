@@ -19,12 +19,17 @@ from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distr
 from zerodp.errors import PeerFailure, UserError
 from zerodp.faults import DeviceProbe, Heartbeat, Preemption, Stopwatch, StragglerMonitor, compute_from_probe
 from zerodp.model import GPT, param_count
+from zerodp.start import plan_start
 from zerodp.strategies import RunContext, make_strategy
 
 
 def log(env: DistEnv, msg: str) -> None:
+    """A line on rank 0's stderr, on its own line: above a live progress bar, never inside it."""
     if env.rank == 0:
-        print(f"zerodp: {msg}", file=sys.stderr, flush=True)
+        from tqdm import tqdm
+
+        tqdm.write(f"zerodp: {msg}", file=sys.stderr)
+        sys.stderr.flush()
 
 
 def device_memory(device: torch.device, local_world_size: int = 1) -> tuple[int, str]:
@@ -118,9 +123,12 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         fresh = False  # a restarted attempt continues the run its first attempt started fresh
         log(env, "restarted attempt: --fresh ignored, resuming from the newest checkpoint")
 
-    def inputs():  # on every rank: each checks its own file system
-        check_out_dir(out_dir)
-        tokens = load_tokens(cfg)  # before the model: a bad data source fails fast
+    agree(env, lambda: check_out_dir(out_dir))  # on every rank: each checks its own file system
+    # Where the run starts, checked before anything is written: a checkpoint of another model is refused.
+    start_plan = broadcast_object(agree(env, lambda: plan_start(cfg, fresh, set_aside_damaged=True, rank=env.rank)))
+
+    def inputs():  # before the model: a bad data source fails fast
+        tokens = load_tokens(cfg)
         return TokenBatches(tokens, cfg, "train"), TokenBatches(tokens, cfg, "val")
 
     train_data, val_data = agree(env, inputs)
@@ -140,25 +148,18 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     log(env, f"strategy {name} on {env.world_size} process(es), {param_count(cfg.model):,} parameters, "
              f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
              f"world {env.world_size} x accum {grad_accum}")
-    held = strategy.state_bytes()
-    log(env, "rank 0 holds " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in held.items()))
 
     start, tokens_seen = 0, 0
-    if cfg.checkpoint.resume and not fresh:
-        found = checkpoint.find_resumable(out_dir)  # collective: the ranks share the sha256 reading
-        if found:
-            state = checkpoint.load(strategy, Path(found), env.world_size)
-            # an imported checkpoint (zerodp convert --to zerodp) records the step only
-            start = state["step"]
-            tokens_seen = state.get("tokens", start * cfg.train.global_batch_size * cfg.model.block_size)
-            saved = checkpoint.read_meta(Path(found))
-            log(env, f"resumed from {found} at step {start} (saved by {saved['strategy']} on "
-                     f"{saved['world_size']} process(es))")
+    if start_plan.resume_from is not None:
+        state = checkpoint.load(strategy, start_plan.resume_from, env.world_size)
+        # an imported checkpoint (zerodp convert --to zerodp) records the step only
+        start = state["step"]
+        tokens_seen = state.get("tokens", start * cfg.train.global_batch_size * cfg.model.block_size)
+    elif start_plan.init_from:
+        checkpoint.init_from(strategy, start_plan.init_from)
+    log(env, start_plan.why)
     if start >= cfg.train.max_steps:
         log(env, f"the run is already complete at step {start}; raise train.max_steps to train further")
-    if start == 0 and cfg.model.init_from:
-        checkpoint.init_from(strategy, cfg.model.init_from)
-        log(env, f"initialised the weights from {cfg.model.init_from}")
     meta = run_metadata(cfg, name, strategy.layout, env, model)
 
     metrics_path = out_dir / "metrics.jsonl"
@@ -169,11 +170,12 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     stragglers = StragglerMonitor(env.hosts, cfg.train.straggler_margin, cfg.train.straggler_patience)
     # Where the forward all-gathers parameters, its time is the slowest rank's on every rank: probe instead.
     probe = DeviceProbe(env.device) if strategy.gathers_in_forward and env.world_size > 1 else None
-    preemption = Preemption(cfg.train.preempt_grace_s)
+    preemption = Preemption(cfg.train.preempt_grace_s, announce=env.rank == 0)
     bar = _progress(cfg, env, start)
     tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
     losses: dict[int, float] = {}
-    stopped_early = False
+    held: dict[int, int] = {}
+    stopped_early = ctrl_c = False
     step, done = start, start
     t_end = time.perf_counter()
     strategy.model.train()
@@ -188,7 +190,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             heartbeat.beat(step + 1)
             probe_s = probe.measure() if probe is not None else 0.0
             # One small all-gather per step: losses, per-rank times and any preemption request.
-            per_rank = all_gather_floats([local_loss, compute, data_wait, float(preemption.requested), forward_s,
+            per_rank = all_gather_floats([local_loss, compute, data_wait, preemption.request_code, forward_s,
                                           probe_s])
             sync_wait = time.perf_counter() - t0 - compute - probe_s
             loss_mean = sum(r[0] for r in per_rank) / env.world_size
@@ -211,15 +213,20 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             if env.rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(record) + "\n")
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss_mean:.4f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}")
-                bar.update(1)
-            stop = any(r[3] for r in per_rank)
+            if not held:  # after the first step, when gradients and optimizer state exist
+                held = strategy.state_bytes()
+                log(env, "rank 0 holds after the first step: " + ", ".join(
+                    f"{k} {v / 2**20:.1f} MiB" if v or k != "grads" else "grads freed between steps"
+                    for k, v in held.items()))
+            _report_step(env, bar, cfg, record)
+            stop = any(r[3] for r in per_rank)  # the signal of any rank stops all of them
             if stop or done == cfg.train.max_steps or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
                 trainer_state = {"step": done, "tokens": tokens_seen, "loss": loss_mean}
                 checkpoint.save(strategy, out_dir, done, trainer_state, meta, cfg.checkpoint.keep_last)
             if stop:
-                log(env, f"preempted: stopped after step {done}, checkpoint saved; "
+                ctrl_c = any(r[3] == Preemption.CTRL_C for r in per_rank)
+                what = "Ctrl-C" if ctrl_c else "preempted"
+                log(env, f"{what}: stopped after step {done}, checkpoint saved; "
                          f"run the same command again to continue")
                 stopped_early = True
                 break
@@ -233,10 +240,13 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         if bar is not None:
             bar.close()
     if stragglers.waited_s > 0 and env.world_size > 1:
+        named = ", ".join(f"rank {r} on {env.hosts[r]} ({cause})" for r, cause in sorted(stragglers.reported.items()))
         log(env, f"time spent waiting for the slowest rank: {stragglers.waited_s:.1f}s"
-                 + (f"; stragglers: {stragglers.reported}" if stragglers.reported else ""))
+                 + (f"; stragglers: {named}" if named else ""))
 
+    held = held or strategy.state_bytes()
     summary = {"strategy": name, "world_size": env.world_size, "losses": losses, "preempted": stopped_early,
+               "exit_code": 130 if stopped_early and ctrl_c else 0,  # 130 after Ctrl-C, as a shell expects
                "final_step": done, "state_bytes": held, "straggler_wait_s": stragglers.waited_s}
     if return_weights:
         summary["weights"] = strategy.full_state_dict()
@@ -244,6 +254,22 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         summary["sample"] = sample(strategy, cfg, env)
         log(env, "sample:\n" + summary["sample"])
     return summary
+
+
+def _report_step(env: DistEnv, bar, cfg: Config, record: dict) -> None:
+    """The step on the console: the progress bar's figures, or without a bar one line every
+    train.log_every steps; a validation loss always gets its own line."""
+    if env.rank != 0:
+        return
+    if bar is not None:
+        bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        bar.update(1)
+    step = record["step"]
+    if bar is None and (step % cfg.train.log_every == 0 or step == cfg.train.max_steps):
+        log(env, f"step {step}/{cfg.train.max_steps}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+                 f"grad_norm {record['grad_norm']:.3f}, {record['tokens_per_s']:,.0f} tokens/s")
+    if "val_loss" in record:
+        log(env, f"step {step}: val_loss {record['val_loss']:.4f}")
 
 
 def _find_stragglers(monitor: StragglerMonitor, per_rank: list[list[float]], probed: bool,
@@ -259,8 +285,8 @@ def _find_stragglers(monitor: StragglerMonitor, per_rank: list[list[float]], pro
     for f in found:
         if probed:
             f["measured_by"] = "device probe"
-        log(env, f"straggler: rank {f['rank']} on {f['host']} is {f['slower_by']:.0%} slower than the median "
-                 f"step ({f['step_time_s']:.3f}s vs {f['median_s']:.3f}s): {f['cause']}"
+        log(env, f"straggler: rank {f['rank']} on {f['host']} is {f['slower_by']:.0%} slower than the other "
+                 f"ranks ({f['step_time_s']:.3f}s vs {f['median_s']:.3f}s): {f['cause']}"
                  + (" (compute estimated from the device probe)" if probed else ""))
     return found
 

@@ -25,4 +25,12 @@ def make_strategy(name: str) -> Strategy:
     return getattr(importlib.import_module(module), cls)(**kwargs)
 
 
-__all__ = ["RunContext", "Strategy", "make_strategy"]
+def check_config(cfg, world_size: int, grad_accum_steps: int) -> None:
+    """The configured strategy's own checks of its settings that need no process group (for
+    `--dry-run`; setup runs the same checks). An optional ability: a strategy without one has none."""
+    check = getattr(make_strategy(cfg.strategy.name), "check_config", None)
+    if check is not None:
+        check(cfg, world_size, grad_accum_steps)
+
+
+__all__ = ["RunContext", "Strategy", "check_config", "make_strategy"]

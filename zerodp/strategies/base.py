@@ -12,6 +12,12 @@ reduced; it never changes the gradient. The loop calls, per optimizer step:
 
 Each backend lives in its own file and implements this Protocol; none inherits from another.
 Shared helpers are plain functions in `zerodp/strategies/common.py`.
+
+Optional abilities, looked up with getattr where they are used (a strategy without one needs none):
+    check_config(cfg, world_size, grad_accum_steps)   refuse bad settings without a process group
+                                                       (`zerodp train --dry-run`; setup checks the same)
+    resume_at(step)                                   an engine that counts steps itself (DeepSpeed)
+                                                       continues from zerodp's step after a resume
 """
 
 from __future__ import annotations

@@ -151,6 +151,37 @@ class FullState:
         raise CheckpointError(f"{self.source.path} has no parameter {name!r} (it has {len(self.names)}, e.g. "
                               f"{sorted(self.names)[:3]}); the model config must describe the checkpoint's model")
 
+    # Names a checkpoint may hold that are not parameters (Hugging Face GPT-2's causal-mask buffers).
+    NOT_PARAMS = (".attn.bias", ".attn.masked_bias")
+
+    def mismatch(self, shapes: dict[str, tuple]) -> str | None:
+        """Why the source cannot fill a model with these parameter `shapes` (None when it can): names
+        missing there, names there this model lacks, and shapes that differ, each with examples."""
+        from zerodp.errors import CheckpointError
+
+        used, missing, wrong = set(), [], []
+        for name, shape in shapes.items():
+            try:
+                stored = self._stored(name)
+            except CheckpointError:
+                missing.append(name)
+                continue
+            used.add(stored)
+            have = tuple(self.source.info(stored).shape)
+            if self.conv1d and name.endswith(self.CONV1D):
+                have = have[::-1]
+            if have != tuple(shape):
+                wrong.append(f"{name} is {list(have)} there, {list(shape)} here")
+        extra = sorted(n for n in self.names - used if n not in self.aliases and not n.endswith(self.NOT_PARAMS))
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} of this model's parameters are missing there (e.g. {missing[0]})")
+        if extra:
+            parts.append(f"{len(extra)} parameters there are not in this model (e.g. {extra[0]})")
+        if wrong:
+            parts.append(f"{len(wrong)} have another shape (e.g. {wrong[0]})")
+        return "; ".join(parts) or None
+
     def get(self, name: str, kind: str, shape) -> torch.Tensor:
         t = self.source.get(self._stored(name), kind).float()
         if self.conv1d and name.endswith(self.CONV1D):

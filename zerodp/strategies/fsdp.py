@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -96,6 +97,14 @@ class FSDPStrategy:
     name = "fsdp"
     layout = "dcp"
     gathers_in_forward = True
+
+    def check_config(self, cfg, world_size: int, grad_accum_steps: int) -> None:
+        """What setup would refuse, checked without a process group: `zerodp train --dry-run`."""
+        s = cfg.strategy
+        group = s.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if s.hybrid_shard and world_size % group:
+            raise UserError(f"strategy.shard_group_size={group} does not divide the world size {world_size}; "
+                            f"set it to the number of ranks per node (a divisor of {world_size})")
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx

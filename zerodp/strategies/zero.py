@@ -144,6 +144,11 @@ class ZeroStrategy:
         self.name = f"zero{stage}"
         self.gathers_in_forward = stage == 3
 
+    def check_config(self, cfg: Config, world_size: int, grad_accum_steps: int) -> None:
+        """What setup would refuse (a strategy.deepspeed key contradicting zerodp, offload without
+        zero3), checked without a process group: `zerodp train --dry-run`."""
+        deepspeed_config(cfg, self.stage, grad_accum_steps, world_size)
+
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         import deepspeed
         from deepspeed.accelerator import get_accelerator
@@ -253,8 +258,7 @@ class ZeroStrategy:
 
     def load_full(self, state: FullState) -> None:
         """Start from full fp32 tensors (any checkpoint, any world size): set each parameter's working
-        copy, this rank's fp32 master fragment and, if the source has them, its AdamW moments. On a
-        resume (not `model.init_from`) the engine's step counters continue from the source's step.
+        copy, this rank's fp32 master fragment and, if the source has them, its AdamW moments.
         Collective-free but must run on every rank in the same order."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
@@ -283,30 +287,21 @@ class ZeroStrategy:
                         _copy_partition(zero_opt._get_fp32_opt_state_partition(p, False, kind)[0], value, rank)
                     else:
                         safe_set_full_optimizer_state(p, value, kind)
-        if state.with_optimizer or self._own_checkpoint(state.source):
-            self._resume_counters(state.source)
+        self._skipped_steps = _skipped_steps(state.source) if state.with_optimizer else 0
 
-    def _own_checkpoint(self, source) -> bool:
-        """Whether `source` is one of this run's own checkpoints: how a resume from a weights-only
-        import (zerodp convert model.safetensors ... --to zerodp) differs from `model.init_from`, which
-        starts at step 0. A resume from a checkpoint with optimizer state is told by that state alone."""
-        from zerodp.checkpoint import checkpoint_root
-
-        return Path(source.path).resolve().parent == checkpoint_root(self.ctx.cfg.train.out_dir).resolve()
-
-    def _resume_counters(self, source) -> None:
-        """Set the engine's step counters to the checkpoint's training step, as DeepSpeed's own loader
-        would. Left at 0, they restart at every resume: its files (global_steps, global_samples,
-        skipped_steps) would count the steps since the resume, and a DeepSpeed folder imported with
-        `zerodp convert ... --to zerodp` would resume there, replaying data and learning rate. AdamW's
-        own step per group came with the moments (`_create_optimizer_state`); DeepSpeed has no
-        scheduler here (zerodp owns the lr, see OWNED)."""
-        step = int(source.step() or 0)
+    def resume_at(self, step: int) -> None:
+        """Continue the engine's step counters from zerodp's `step`, as DeepSpeed's own loader would
+        (an optional ability: `zerodp.checkpoint.load` calls it after every resume, whatever wrote the
+        checkpoint; `model.init_from` does not, and stays at 0). Left at 0, they restart at every
+        resume: DeepSpeed's files (global_steps, global_samples, skipped_steps) would count the steps
+        since the resume, and a DeepSpeed folder imported with `zerodp convert ... --to zerodp` would
+        resume there, replaying data and learning rate. AdamW's own step per group came with the
+        moments (`_create_optimizer_state`); DeepSpeed has no scheduler here (zerodp owns the lr)."""
         self.model.global_steps = step
         self.model.micro_steps = step  # the loop calls engine.step() once per optimizer step
         # DeepSpeed's own rule for files that lack it; zerodp's global batch is the engine's train_batch_size
         self.model.global_samples = step * self.model.train_batch_size()
-        self.model.skipped_steps = _skipped_steps(source)
+        self.model.skipped_steps = getattr(self, "_skipped_steps", 0)
 
     def _create_optimizer_state(self, state: FullState) -> None:
         """AdamW creates its state at the first step; create it now over DeepSpeed's flat fp32

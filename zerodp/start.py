@@ -1,0 +1,87 @@
+"""Where a run starts: which checkpoint it resumes from, or whether it starts fresh (and from which
+weights), decided and checked before anything is written or deleted. `zerodp train` and
+`zerodp train --dry-run` call the same `plan_start`.
+
+Refused here, with one line that names the difference and the way out: resuming into a model whose
+settings or parameter shapes differ from the checkpoint's, and `model.init_from` weights of another
+model. Nothing is written on that path, so the run folder stays exactly as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zerodp import checkpoint
+from zerodp.config import Config
+from zerodp.errors import UserError
+
+
+@dataclass
+class StartPlan:
+    resume_from: Path | None = None
+    """The checkpoint to resume from, or None to start at step 0."""
+    weights_only: bool = False
+    """The checkpoint (or init_from) holds no AdamW moments: AdamW starts fresh."""
+    init_from: str | None = None
+    """Weights to start from at step 0 (model.init_from), when not resuming."""
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """Damaged checkpoints passed over (name, what is wrong), newest first."""
+    why: str = ""
+    """One line: what the run will do, for the log and --dry-run."""
+
+
+def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0) -> StartPlan:
+    """Decide where the run starts; raise UserError when the checkpoint or init_from weights do not
+    fit the configured model. Collective when a process group is up (the resume lookup shares its
+    sha256 reading over the ranks); the model check reads metadata on rank 0 only, and the caller
+    shares its verdict (`zerodp.train.agree`)."""
+    from zerodp.model import param_shapes
+
+    out_dir = Path(cfg.train.out_dir)
+    plan = StartPlan()
+    if cfg.model.init_from and not os.path.exists(cfg.model.init_from):  # wrong whether or not it is used
+        raise UserError(f"model.init_from {cfg.model.init_from} does not exist; pass a checkpoint folder or "
+                        f".safetensors file, or remove the key")
+    if fresh or not cfg.checkpoint.resume:
+        plan.why = "--fresh: starting from step 0" if fresh else "checkpoint.resume=false: starting from step 0"
+    else:
+        found = checkpoint.resume_point(out_dir, set_aside_damaged=set_aside_damaged)
+        plan.resume_from, plan.skipped = found.path, found.skipped
+        if found.path is None:
+            root = checkpoint.checkpoint_root(out_dir)
+            if found.skipped:
+                what = "set aside" if set_aside_damaged else "would be set aside"
+                plan.why = (f"no intact checkpoint in {root} ({len(found.skipped)} damaged, {what}): "
+                            f"starting over from step 0")
+            else:
+                plan.why = f"no checkpoint in {root}: starting from step 0"
+    if rank != 0:
+        return plan
+    model_cfg = cfg.to_dict()["model"]
+    shapes = None
+    if plan.resume_from is not None:
+        shapes = param_shapes(cfg.model)
+        check = checkpoint.check_model(plan.resume_from, model_cfg, shapes)
+        if check.problem:
+            raise UserError(
+                f"{plan.resume_from} holds a different model than this config ({check.problem}); rerun with "
+                f"the checkpoint's model settings, or start over with --fresh (earlier checkpoints are moved "
+                f"aside, not deleted) or another train.out_dir")
+        plan.weights_only = not check.has_optimizer
+        meta = checkpoint.read_meta(plan.resume_from)
+        plan.why = (f"resuming from {plan.resume_from} at step {meta['step']} (saved by {meta['strategy']} on "
+                    f"{meta['world_size']} process(es))")
+        if plan.weights_only:
+            plan.why += "; it holds weights only, no AdamW moments: AdamW starts fresh"
+    elif cfg.model.init_from:
+        path = cfg.model.init_from
+        shapes = shapes or param_shapes(cfg.model)
+        check = checkpoint.check_model(path, model_cfg, shapes)
+        if check.problem:
+            raise UserError(f"model.init_from {path} holds a different model than this config ({check.problem}); "
+                            f"set the model section to the checkpoint's dimensions")
+        plan.init_from = path
+        plan.why += f"; weights from {path} (model.init_from), a fresh AdamW"
+    return plan

@@ -6,7 +6,7 @@ import torch
 
 from zerodp.config import Config, lr_at
 from zerodp.data import TokenBatches, load_tokens
-from zerodp.model import GPT
+from zerodp.models import GPT
 from zerodp.optim import param_groups
 
 

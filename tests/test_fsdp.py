@@ -86,7 +86,7 @@ def test_fsdp_resume_is_exact_and_checkpoint_uses_plain_names(tiny, tmp_path):
 def state_bytes_worker(overrides: list[str]) -> dict:
     """Runs on every rank: state_bytes at setup, after a backward and after a step; full weights."""
     from zerodp.dist import init_distributed
-    from zerodp.model import GPT
+    from zerodp.models import GPT
     from zerodp.strategies import RunContext, make_strategy
 
     cfg = load_config(None, overrides)
@@ -110,7 +110,7 @@ def state_bytes_worker(overrides: list[str]) -> dict:
 
 def test_fsdp_state_bytes_and_full_state_dict_with_uneven_shards(tiny):
     """World 3 (dims not divisible by 3): each rank holds ~1/3 of the fp32 model; gather is exact."""
-    from zerodp.model import GPT, param_count
+    from zerodp.models import GPT, param_count
 
     over = tiny + ["train.global_batch_size=6"]
     cfg = load_config(None, over)

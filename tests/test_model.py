@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from zerodp.config import ModelConfig
-from zerodp.model import GPT, flops_per_token, param_count
+from zerodp.models import GPT, flops_per_token, param_count
 
 GPT2 = ModelConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024, bias=True)
 

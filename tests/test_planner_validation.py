@@ -48,7 +48,7 @@ def measure_worker(runs: list[list[str]]) -> list[dict]:
     the per-key peak over those calls: ZeRO-1 holds its full gradients and FSDP its unsharded ones
     between micro batches, the sharded ones after the last."""
     from zerodp.dist import init_distributed
-    from zerodp.model import GPT
+    from zerodp.models import GPT
     from zerodp.strategies import RunContext, make_strategy
 
     env = init_distributed("cpu")
@@ -84,7 +84,7 @@ def predictions(strategy: str, precision: str, defer: bool):
 
 
 def test_state_bytes_match_the_planner_within_5_percent():
-    from zerodp.model import param_count
+    from zerodp.models import param_count
     from zerodp.planner import spec_from_model_config
 
     cfg = load_config(None, overrides("ddp", "bf16"))

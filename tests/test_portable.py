@@ -9,7 +9,7 @@ from tests.harness import run_distributed
 from tests.reference import reference_run
 from zerodp.config import load_config
 from zerodp.data import TokenBatches, load_tokens
-from zerodp.model import GPT
+from zerodp.models import GPT
 
 # (saved by, on, resumed by, on)
 MOVES = [("zero2", 2, "fsdp", 1), ("fsdp", 2, "zero3", 3), ("ddp", 1, "zero1", 2), ("zero3", 2, "ddp", 2)]

@@ -13,7 +13,7 @@ from tests.harness import run_distributed
 from tests.reference import reference_run
 from zerodp.config import load_config
 from zerodp.errors import UserError
-from zerodp.model import param_count
+from zerodp.models import param_count
 from zerodp.strategies.zero import deepspeed_config
 
 BF16_BAND = 0.01
@@ -107,7 +107,7 @@ def test_offload_params_needs_zero3(tiny, stage):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed's CPU accelerator is the one without fp16")
 def test_fp16_on_cpu_is_refused(tiny):
-    from zerodp.model import GPT
+    from zerodp.models import GPT
     from zerodp.strategies import RunContext, make_strategy
 
     cfg = load_config(None, tiny + ["train.precision=fp16"])
@@ -157,7 +157,7 @@ def state_worker(overrides: list[str]) -> dict:
     """Per stage, the state_bytes of a ZeRO strategy after setup, between two accumulated micro-batches
     and after step()."""
     from zerodp.dist import init_distributed
-    from zerodp.model import GPT
+    from zerodp.models import GPT
     from zerodp.strategies import RunContext, make_strategy
 
     env = init_distributed("cpu")
@@ -216,7 +216,7 @@ def loss_scaler_worker(overrides: list[str], out_dir: str) -> dict:
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
     from zerodp.dist import init_distributed
-    from zerodp.model import GPT
+    from zerodp.models import GPT
     from zerodp.strategies import RunContext, make_strategy
 
     env = init_distributed("cpu")

@@ -31,7 +31,7 @@ def train_then_probe(runs: list[dict], probes: list[dict]) -> list[dict]:
     from zerodp import checkpoint
     from zerodp.config import load_config
     from zerodp.convert import open_checkpoint, write_zerodp
-    from zerodp.model import GPT
+    from zerodp.models import GPT
     from zerodp.strategies import RunContext, make_strategy
     from zerodp.train import train
 

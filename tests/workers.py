@@ -84,7 +84,7 @@ def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict
 
             F.linear, torch.mm = slowed(F.linear), slowed(torch.mm)
         elif where == "compute":  # a slow device: its forward (and backward) take longer
-            from zerodp.model import GPT
+            from zerodp.models import GPT
 
             real_forward = GPT.forward
 

@@ -22,23 +22,49 @@ import yaml
 from zerodp.errors import ConfigError
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "auto")
+ARCHS = ("gpt2", "llama")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
 class ModelConfig:
+    arch: str = "gpt2"
+    """gpt2 (learned positions, LayerNorm, GELU) or llama (Llama 2/3, Mistral, Qwen2: rotary positions,
+    RMSNorm, SwiGLU, grouped-query attention). See docs/models.md."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
     """Attention heads per block; must divide n_embd."""
+    n_kv_head: Optional[int] = None
+    """llama: key/value heads (grouped-query attention), a divisor of n_head; null: n_head."""
+    head_dim: Optional[int] = None
+    """llama: width of one attention head; null: n_embd / n_head."""
     n_embd: int = 128
     """Hidden width."""
+    intermediate_size: Optional[int] = None
+    """Width of the MLP's inner layer; null: 4 x n_embd (gpt2), or 8/3 x n_embd rounded up to a multiple
+    of 256 (llama)."""
     vocab_size: int = 256
     """Vocabulary size. 256 covers the built-in byte-level tokenizer; GPT-2 uses 50257."""
     block_size: int = 128
     """Context length, and the sequence length every training sample has."""
-    bias: bool = True
-    """Biases in Linear and LayerNorm layers, as in GPT-2."""
+    bias: Optional[bool] = None
+    """gpt2: biases in Linear and LayerNorm layers, as in GPT-2; null: true for gpt2, false for llama
+    (which has none; see qkv_bias)."""
+    qkv_bias: bool = False
+    """llama: biases on the q, k and v projections (Qwen2)."""
+    tie_embeddings: Optional[bool] = None
+    """The output head shares the token embedding's weight; null: true for gpt2, false for llama."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm (gpt2) or RMSNorm (llama)."""
+    rope_theta: float = 10000.0
+    """llama: base of the rotary position embedding's frequencies (Llama 3: 500000)."""
+    rope_scaling: dict = field(default_factory=dict)
+    """llama: Llama 3.1's rope scaling, as in config.json (rope_type llama3, factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings); empty: none."""
+    hf_config: Optional[str] = None
+    """A Hugging Face config.json (or the model folder holding one) that sets arch and every dimension;
+    a model key given as well must agree with it."""
     dropout: float = 0.0
     """Dropout probability. 0 keeps runs at different world sizes bit-comparable."""
     activation_checkpointing: bool = False
@@ -186,7 +212,26 @@ class Config:
         _positive("model.n_embd", m.n_embd)
         _positive("model.vocab_size", m.vocab_size)
         _positive("model.block_size", m.block_size)
-        if m.n_embd % m.n_head:
+        _one_of("model.arch", m.arch, ARCHS)
+        if m.arch == "gpt2":
+            for key, value, default in (("n_kv_head", m.n_kv_head, m.n_head), ("head_dim", m.head_dim, None),
+                                        ("qkv_bias", m.qkv_bias, False), ("rope_scaling", m.rope_scaling, {})):
+                if value not in (default, None) and value != default:
+                    raise ConfigError(f"model.{key}={value!r} applies to model.arch=llama; gpt2 has none "
+                                      f"(remove the key or set model.arch=llama)")
+        elif m.bias:
+            raise ConfigError("model.bias=true applies to gpt2; llama has no biases (Qwen2's q/k/v biases: "
+                              "model.qkv_bias=true)")
+        if m.n_kv_head is not None and (m.n_kv_head <= 0 or m.n_head % m.n_kv_head):
+            raise ConfigError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}; "
+                              f"choose one of {[d for d in range(1, m.n_head + 1) if m.n_head % d == 0]}")
+        if m.head_dim is not None:
+            _positive("model.head_dim", m.head_dim)
+        if m.intermediate_size is not None:
+            _positive("model.intermediate_size", m.intermediate_size)
+        _positive("model.norm_eps", m.norm_eps)
+        _positive("model.rope_theta", m.rope_theta)
+        if m.n_embd % m.n_head and m.head_dim is None:
             raise ConfigError(
                 f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
                 f"choose n_head among the divisors of n_embd (e.g. {_divisor_near(m.n_embd, m.n_head)})"
@@ -435,7 +480,21 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
         else:
             body[key] = value
     cfg = from_dict(raw, where if not overrides else f"{where} (with overrides)")
-    return cfg.validate()
+    return resolve_model(cfg).validate()
+
+
+def resolve_model(cfg: Config) -> Config:
+    """Fill the model keys left null with their architecture's defaults, so that the resolved config
+    (config.yaml, a checkpoint's meta.json) records every dimension. Returns cfg, changed in place."""
+    m = cfg.model
+    _one_of("model.arch", m.arch, ARCHS)
+    if m.bias is None:
+        m.bias = m.arch == "gpt2"
+    if m.tie_embeddings is None:
+        m.tie_embeddings = m.arch == "gpt2"
+    if m.n_kv_head is None:
+        m.n_kv_head = m.n_head
+    return cfg
 
 
 def _set_nested(d: dict, keys: list[str], value: Any) -> None:

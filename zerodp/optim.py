@@ -19,7 +19,7 @@ def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
     for name, p in model.named_parameters():  # named_parameters() yields a tied tensor once
         if not p.requires_grad:
             continue
-        is_embedding = name.endswith(("wte.weight", "wpe.weight"))
+        is_embedding = name.endswith(("wte.weight", "wpe.weight", "embed_tokens.weight"))
         (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": cfg.optim.weight_decay},

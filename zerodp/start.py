@@ -37,7 +37,7 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0)
     fit the configured model. Collective when a process group is up (the resume lookup shares its
     sha256 reading over the ranks); the model check reads metadata on rank 0 only, and the caller
     shares its verdict (`zerodp.train.agree`)."""
-    from zerodp.model import param_shapes
+    from zerodp.models import param_shapes
 
     out_dir = Path(cfg.train.out_dir)
     plan = StartPlan()

@@ -18,7 +18,7 @@ from zerodp.data import TokenBatches, load_tokens, prefetch
 from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
 from zerodp.errors import PeerFailure, UserError
 from zerodp.faults import DeviceProbe, Heartbeat, Preemption, Stopwatch, StragglerMonitor, compute_from_probe
-from zerodp.model import GPT, param_count
+from zerodp.models import build_model, param_count
 from zerodp.start import plan_start
 from zerodp.strategies import RunContext, make_strategy
 
@@ -101,7 +101,7 @@ def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, mod
         "precision": cfg.train.precision,
         "config": cfg.to_dict(),
         "params": {n: {"shape": list(p.shape), "dtype": "float32"} for n, p in model.named_parameters()},
-        "tied": {"lm_head.weight": "transformer.wte.weight"},
+        "tied": model.tied_weights(),
         "torch_version": torch.__version__,
     }
 
@@ -141,7 +141,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         log(env, "strategy.name=auto, the planner's table:\n" + plan.table())
 
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    model = GPT(cfg.model)
+    model = build_model(cfg.model)
     strategy = make_strategy(name)
     ctx = RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, grad_accum, env.local_world_size)
     strategy.setup(model, ctx)
@@ -331,8 +331,8 @@ def sample(strategy, cfg: Config, env: DistEnv) -> str:
     weights = strategy.full_state_dict()
     if env.rank != 0:
         return ""
-    model = GPT(cfg.model)
-    model.load_state_dict(weights, strict=False)  # lm_head.weight is tied to wte
+    model = build_model(cfg.model)
+    model.load_state_dict(weights, strict=not model.tied_weights())  # a tied alias is not in `weights`
     model.eval()
     prompt = torch.tensor([list(b"def ")], dtype=torch.long) if cfg.model.vocab_size >= 256 else \
         torch.zeros((1, 1), dtype=torch.long)

@@ -55,10 +55,10 @@ def _gpt2_counts(n_layer: int, n_embd: int, vocab_size: int, n_positions: int, b
 
 
 def gpt_param_count(model_cfg) -> int:
-    """Exact parameter count of zerodp's GPT for a `zerodp.config.ModelConfig` (GPT-2's layout,
-    lm_head tied to wte, Linear and LayerNorm biases iff `bias`)."""
-    m = model_cfg
-    return _gpt2_counts(m.n_layer, m.n_embd, m.vocab_size, m.block_size, m.bias)[0]
+    """Exact parameter count of zerodp's model for a `zerodp.config.ModelConfig` (either family)."""
+    from zerodp.models.arch import arch_of
+
+    return arch_of(model_cfg).param_count()
 
 
 def gpt2_spec(name: str, n_layer: int, n_head: int, n_embd: int, vocab_size: int = 50257,
@@ -70,10 +70,16 @@ def gpt2_spec(name: str, n_layer: int, n_head: int, n_embd: int, vocab_size: int
                      n_positions, max(block, emb), "gelu", dropout)
 
 
-def spec_from_model_config(model_cfg, name: str = "zerodp GPT") -> ModelSpec:
-    """The ModelSpec of zerodp's GPT described by a `ModelConfig` section."""
-    m = model_cfg
-    return gpt2_spec(name, m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size, m.bias, m.dropout > 0)
+def spec_from_model_config(model_cfg, name: str = "zerodp model") -> ModelSpec:
+    """The ModelSpec of zerodp's model described by a `ModelConfig` section (either family)."""
+    from zerodp.models.arch import arch_of
+
+    a = arch_of(model_cfg)
+    if a.family == "gpt2":
+        return gpt2_spec(name, a.n_layer, a.n_head, a.n_embd, a.vocab_size, a.block_size, a.bias,
+                         model_cfg.dropout > 0, ffn=a.ffn)
+    return llama_spec(name, a.n_embd, a.n_layer, a.n_head, a.n_kv_head, a.ffn, a.vocab_size, a.block_size,
+                      tied=a.tied, head_dim=a.head_dim, qkv_bias=a.qkv_bias)
 
 
 def llama_spec(name: str, hidden: int, n_layer: int, n_head: int, kv_heads: int, ffn: int, vocab_size: int,

@@ -2,7 +2,7 @@
 
 Every parameter becomes a DTensor sharded on dim 0 (uneven sizes are padded inside FSDP; the local
 shard seen here is unpadded). Each transformer block is one FSDP unit, the root unit holds the rest
-(the tied wte/lm_head weight, wpe, ln_f). A unit's parameters are all-gathered before its forward,
+(the embeddings, the final norm and the head). A unit's parameters are all-gathered before its forward,
 freed after it when `reshard_after_forward` (ZeRO-3-like) or kept until backward (ZeRO-2-like),
 all-gathered again in backward if they were freed, and its gradients are reduce-scattered (averaged)
 every micro batch into the sharded gradients (once per optimizer step with
@@ -39,7 +39,6 @@ from zerodp.strategies.common import DTYPES, FullState, optimizer_state_tensors,
 CKPT_FORMAT = 1
 DCP_DIR = "dcp"  # torch.distributed.checkpoint folder inside the checkpoint
 META_FILE = "fsdp.json"  # beside it: naming, tying and the loss scale
-TIED = {"lm_head.weight": "transformer.wte.weight"}
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
@@ -78,7 +77,8 @@ def apply_fsdp(model: nn.Module, ctx: RunContext) -> nn.Module:
     Ordering rules: activation checkpointing is already inside the model's forward (it must wrap the
     block's forward inside the FSDP unit, so that recomputation re-gathers through FSDP's hooks);
     blocks are sharded before the root, because fully_shard on a module takes every parameter not
-    already claimed by a child unit: the root then holds only wte (= lm_head, tied), wpe and ln_f.
+    already claimed by a child unit: the root then holds only the embeddings (= lm_head when tied),
+    the final norm and an untied head.
     The optimizer is built after this, over the DTensor shards."""
     mesh = device_mesh(ctx)
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision(ctx.cfg.train.precision), offload_policy=offload(ctx))
@@ -88,8 +88,9 @@ def apply_fsdp(model: nn.Module, ctx: RunContext) -> nn.Module:
     # The root's parameters (lm_head) are the first needed in backward, right after forward ends:
     # keeping them gathered saves an all-gather and costs nothing at the peak (FSDP's own default).
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    tied = model.transformer.wte.weight
-    assert model.lm_head.weight is tied and isinstance(tied, DTensor), "sharding untied the embeddings"
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for alias, stored in model.tied_weights().items():
+        assert params[alias] is params[stored] and isinstance(params[stored], DTensor), "sharding untied weights"
     return model
 
 
@@ -183,12 +184,13 @@ class FSDPStrategy:
         }
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        # named_parameters() yields the tied weight once (as transformer.wte.weight), like a plain GPT.
+        # named_parameters() yields a tied weight once (under the embedding's name), like the plain model.
         return {n: _full(p) for n, p in self.model.named_parameters()}
 
     def save(self, ckpt_dir: Path) -> None:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions())
-        for alias in TIED:  # one name per tensor: the tied alias is restored from its source on load
+        tied = self.model.tied_weights()
+        for alias in tied:  # one name per tensor: the tied alias is restored from its source on load
             model_sd.pop(alias, None)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_dir / DCP_DIR)
         if dist.get_rank() == 0:
@@ -199,7 +201,7 @@ class FSDPStrategy:
                 # DCP keys: model.<name> (fp32, global shapes) and optim.state.<name>.{step,exp_avg,
                 # exp_avg_sq}, optim.param_groups.<i>.params = [<name>, ...]: plain GPT names throughout.
                 "fqns": sorted(model_sd),
-                "tied": TIED,
+                "tied": tied,
                 "world_size": self.ctx.world_size,
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             }

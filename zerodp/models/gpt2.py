@@ -1,0 +1,112 @@
+"""GPT-2 (`model.arch: gpt2`): learned positions, LayerNorm, GELU MLP, fused c_attn, tied head.
+
+With GPT-2's dimensions (12 layers, 12 heads, 768 wide, vocab 50257, context 1024, biases, tied
+embeddings) it has exactly GPT-2's 124,439,808 parameters. The model never knows which strategy runs
+it: strategies wrap it from outside (DDP, DeepSpeed engine, fully_shard per `model.blocks()`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerodp.config import ModelConfig
+from zerodp.models.arch import arch_of
+from zerodp.models.common import DecoderLM
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        a = arch_of(cfg)
+        self.n_head = a.n_head
+        self.c_attn = nn.Linear(a.n_embd, 3 * a.n_embd, bias=a.bias)
+        self.c_proj = nn.Linear(a.n_embd, a.n_embd, bias=a.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return F.dropout(self.c_proj(y), drop, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        a = arch_of(cfg)
+        self.c_fc = nn.Linear(a.n_embd, a.ffn, bias=a.bias)
+        self.c_proj = nn.Linear(a.ffn, a.n_embd, bias=a.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return F.dropout(x, self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        a = arch_of(cfg)
+        self.ln_1 = nn.LayerNorm(a.n_embd, eps=a.norm_eps, bias=a.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(a.n_embd, eps=a.norm_eps, bias=a.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(DecoderLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.arch = a = arch_of(cfg)
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(a.vocab_size, a.n_embd),
+                wpe=nn.Embedding(a.block_size, a.n_embd),
+                h=nn.ModuleList(Block(cfg) for _ in range(a.n_layer)),
+                ln_f=nn.LayerNorm(a.n_embd, eps=a.norm_eps, bias=a.bias),
+            )
+        )
+        self.lm_head = nn.Linear(a.n_embd, a.vocab_size, bias=False)
+        if a.tied:
+            self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        if self.transformer.wte.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.arch.n_layer))
+            elif p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:  # LayerNorm weight
+                nn.init.ones_(p)
+
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks: the unit of activation checkpointing and of FSDP sharding."""
+        return list(self.transformer.h)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+
+    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return block(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)

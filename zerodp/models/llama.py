@@ -1,0 +1,163 @@
+"""The Llama family (`model.arch: llama`: Llama 2/3, Mistral, Qwen2): rotary positions, RMSNorm, SwiGLU
+MLP, grouped-query attention, optional q/k/v biases (Qwen2), tied or untied head.
+
+Parameter names and layouts are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, nn.Linear
+(out, in), rotary embedding in the rotate-half convention), so HF weights load as they are. The rotary
+frequencies are computed in the forward pass, not kept as a buffer: nothing to shard, save or
+materialise."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerodp.config import ModelConfig
+from zerodp.errors import ConfigError
+from zerodp.models.arch import Arch, arch_of
+from zerodp.models.common import DecoderLM
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and cast back (as Hugging Face's LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_frequencies(a: Arch, device: torch.device) -> torch.Tensor:
+    """Inverse frequencies (head_dim / 2,) of the rotary embedding, with Llama 3.1's or linear scaling."""
+    inv = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2, device=device, dtype=torch.float32) / a.head_dim))
+    s = a.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / s["factor"]
+    if kind == "llama3":  # transformers' _compute_llama3_parameters
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ConfigError(f"model.rope_scaling rope_type {kind!r} is not supported; zerodp reads llama3 and linear")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: Arch, dropout: float):
+        super().__init__()
+        self.a, self.dropout = a, dropout
+        q, kv = a.n_head * a.head_dim, a.n_kv_head * a.head_dim
+        self.q_proj = nn.Linear(a.n_embd, q, bias=a.qkv_bias)
+        self.k_proj = nn.Linear(a.n_embd, kv, bias=a.qkv_bias)
+        self.v_proj = nn.Linear(a.n_embd, kv, bias=a.qkv_bias)
+        self.o_proj = nn.Linear(q, a.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        a = self.a
+        q = self.q_proj(x).view(B, T, a.n_head, a.head_dim).transpose(1, 2)     # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, a.n_kv_head, a.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, a.n_kv_head, a.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q = (q * cos + rotate_half(q) * sin).to(v.dtype)
+        k = (k * cos + rotate_half(k) * sin).to(v.dtype)
+        if a.n_kv_head != a.n_head:  # each kv head serves n_head / n_kv_head consecutive query heads
+            k = k.repeat_interleave(a.n_head // a.n_kv_head, dim=1)  # (B, nh, T, hd)
+            v = v.repeat_interleave(a.n_head // a.n_kv_head, dim=1)
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, a.n_head * a.head_dim)
+        return F.dropout(self.o_proj(y), drop, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, a: Arch, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+        self.gate_proj = nn.Linear(a.n_embd, a.ffn, bias=False)
+        self.up_proj = nn.Linear(a.n_embd, a.ffn, bias=False)
+        self.down_proj = nn.Linear(a.ffn, a.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        return F.dropout(x, self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, a: Arch, dropout: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.n_embd, a.norm_eps)
+        self.self_attn = Attention(a, dropout)
+        self.post_attention_layernorm = RMSNorm(a.n_embd, a.norm_eps)
+        self.mlp = MLP(a, dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(DecoderLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.arch = a = arch_of(cfg)
+        rope_frequencies(a, torch.device("cpu"))  # an unsupported rope_scaling fails here, not at step 1
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(a.vocab_size, a.n_embd)
+        self.model.layers = nn.ModuleList(Block(a, cfg.dropout) for _ in range(a.n_layer))
+        self.model.norm = RMSNorm(a.n_embd, a.norm_eps)
+        self.lm_head = nn.Linear(a.n_embd, a.vocab_size, bias=False)
+        if a.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._rope: tuple | None = None
+        if self.model.embed_tokens.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, 0.02) matrices, the residual projections (o_proj, down_proj) scaled by 1/sqrt(2 * n_layer);
+        RMSNorm weights 1, biases 0."""
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.arch.n_layer))
+            elif p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks: the unit of activation checkpointing and of FSDP sharding."""
+        return list(self.model.layers)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        inv = rope_frequencies(self.arch, idx.device)
+        freqs = torch.outer(torch.arange(T, device=idx.device, dtype=torch.float32), inv)  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        self._rope = (emb.cos(), emb.sin())
+        return self.model.embed_tokens(idx)  # (B, T, C)
+
+    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._rope
+        return block(x, cos, sin)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(x))  # (B, T, V)

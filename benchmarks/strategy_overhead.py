@@ -139,7 +139,7 @@ def worker(args) -> None:
     from zerodp.config import load_config
     from zerodp.data import TokenBatches, load_tokens
     from zerodp.dist import init_distributed
-    from zerodp.model import GPT
+    from zerodp.models import GPT
     from zerodp.strategies import RunContext, make_strategy
     from zerodp.train import train_step
 

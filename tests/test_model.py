@@ -1,11 +1,15 @@
-"""The GPT model: GPT-2's exact parameter count, meta-device build, activation checkpointing."""
+"""The models: each builds exactly the parameters its Arch describes; GPT-2's exact parameter count,
+meta-device build, activation checkpointing; families zerodp only plans are refused."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zerodp.config import ModelConfig
-from zerodp.models import GPT, flops_per_token, param_count
+from zerodp.errors import ConfigError
+from zerodp.models import GPT, arch_of, build_model, flops_per_token, param_count
+from zerodp.models.arch import PLANNER_FAMILIES
 
 GPT2 = ModelConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024, bias=True)
 
@@ -54,3 +58,33 @@ def test_init_is_deterministic_and_gpt2_style():
         assert torch.equal(p, q), n
     proj = a.transformer.h[0].attn.c_proj.weight
     assert abs(proj.std().item() - 0.02 / (2 * 4) ** 0.5) < 0.003
+
+
+SHAPE_CONFIGS = {
+    "gpt2": GPT2,
+    "gpt2-nobias-untied": ModelConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=32, bias=False,
+                                      tie_embeddings=False),
+    "gpt2-ffn": ModelConfig(n_layer=3, n_head=4, n_embd=64, vocab_size=100, block_size=16, intermediate_size=80),
+    "llama-default": ModelConfig(arch="llama"),
+    "llama-gqa-tied": ModelConfig(arch="llama", n_layer=2, n_head=8, n_kv_head=2, head_dim=16, n_embd=64,
+                                  intermediate_size=96, vocab_size=100, tie_embeddings=True),
+    "qwen2-like": ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=100,
+                              qkv_bias=True),
+    "llama3-8b": ModelConfig(arch="llama", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
+                             vocab_size=128256, block_size=8192),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPE_CONFIGS))
+def test_models_build_exactly_the_shapes_their_arch_describes(name):
+    cfg = SHAPE_CONFIGS[name]
+    with torch.device("meta"):
+        model = build_model(cfg)
+    assert {n: tuple(p.shape) for n, p in model.named_parameters()} == arch_of(cfg).param_shapes()
+
+
+@pytest.mark.parametrize("family", PLANNER_FAMILIES)
+def test_families_only_the_planner_reads_are_not_built(family):
+    with pytest.raises(ConfigError, match=rf"^model.arch='{family}': zerodp builds and trains gpt2 and llama; "
+                                          rf"{family} is known to the planner only \(zerodp plan --hf-config\)$"):
+        build_model(ModelConfig(arch=family))

@@ -78,6 +78,12 @@ def test_activation_factor_matches_the_paper():
     assert layer_activation_factor(fused, 32) == pytest.approx(34)  # SDPA drops the s^2 term
     assert layer_activation_factor(gpt2_spec("t", 2, 4, 64, 100, 32), 32) == pytest.approx(32)  # no masks
     assert layer_activation_factor(preset("llama2-7b"), 4096) == pytest.approx(10 + 2 + 8 * 11008 / 4096 + 4)
+    # Gemma's Q and attention output are n_head * head_dim = 4096 wide on a 3072 hidden; Gemma 2 keeps 4 norms
+    q, kv = 4096 / 3072, 4096 / 3072
+    assert layer_activation_factor(preset("gemma-7b"), 4096) == pytest.approx(
+        2 + 2 * q + 4 * kv + 2 * q + (2 + 8 * 24576 / 3072) + 4)
+    assert layer_activation_factor(preset("gemma2-9b"), 4096) == pytest.approx(
+        2 + 2 * 4096 / 3584 + 4 * 2048 / 3584 + 2 * 4096 / 3584 + (2 + 8 * 14336 / 3584) + 8)
 
 
 def test_activation_bytes_hand_computed():
@@ -128,6 +134,8 @@ def test_step_time_is_6PT_at_mfu_plus_a_third_with_checkpointing():
     ("gpt2", 124_439_808), ("gpt2-medium", 354_823_168), ("gpt2-large", 774_030_080),
     ("gpt2-xl", 1_557_611_200), ("llama2-7b", 6_738_415_616), ("llama2-13b", 13_015_864_320),
     ("llama2-70b", 68_976_648_192), ("llama3-8b", 8_030_261_248), ("mistral-7b", 7_241_732_096),
+    ("qwen2.5-7b", 7_615_616_512), ("gemma-7b", 8_537_680_896), ("gemma2-9b", 9_241_705_984),
+    ("phi3-mini", 3_821_079_552), ("mixtral-8x7b", 46_702_792_704), ("qwen1.5-moe-a2.7b", 14_315_784_192),
 ])
 def test_preset_counts_match_published(name, count):
     assert preset(name).params == count

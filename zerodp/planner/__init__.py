@@ -15,12 +15,14 @@ from zerodp.planner.memory import (
     Layout, MemoryEstimate, Workload, activation_bytes, engine_states, estimate, model_states,
 )
 from zerodp.planner.models import (
-    PRESETS, ModelSpec, gpt_param_count, preset, spec_from_hf_config, spec_from_model_config, spec_from_params,
+    PRESETS, ModelSpec, gpt_param_count, preset, spec_from_arch, spec_from_hf_config, spec_from_model_config,
+    spec_from_params,
 )
 from zerodp.planner.training import plan_for_training
 
 __all__ = [
     "Plan", "choose", "GPUS", "Cluster", "GpuSpec", "gpu_preset", "Layout", "MemoryEstimate", "Workload",
     "activation_bytes", "engine_states", "estimate", "model_states", "PRESETS", "ModelSpec", "gpt_param_count",
-    "preset", "spec_from_hf_config", "spec_from_model_config", "spec_from_params", "plan_for_training",
+    "preset", "spec_from_arch", "spec_from_hf_config", "spec_from_model_config", "spec_from_params",
+    "plan_for_training",
 ]

@@ -13,6 +13,7 @@ import sys
 from zerodp.errors import UserError
 from zerodp.planner.choose import choose
 from zerodp.planner.hardware import GPUS, INTERCONNECTS, MFU, Cluster, GpuSpec, gpu_preset
+from zerodp.planner.hf_config import SUPPORTED as HF_MODEL_TYPES
 from zerodp.planner.memory import Workload
 from zerodp.planner.models import PRESETS, preset, spec_from_hf_config, spec_from_model_config, spec_from_params
 from zerodp.planner.units import parse_bytes, parse_count
@@ -36,7 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--config", metavar="CONFIG.yaml", help="a zerodp training config")
     m.add_argument("overrides", nargs="*", metavar="section.key=value", help="overrides for --config")
     m.add_argument("--hf-config", metavar="PATH",
-                   help="a Hugging Face gpt2/llama/mistral/qwen2 model folder, or its config.json")
+                   help=f"a Hugging Face model folder, or its config.json: {', '.join(HF_MODEL_TYPES)} "
+                        "(mixtures of experts: memory for every expert, compute for the routed ones)")
     m.add_argument("--model", metavar="NAME", help=f"a built-in preset: {', '.join(PRESETS)}")
     m.add_argument("--params", metavar="N", help="parameter count, e.g. 7.5e9 or 7B")
     m.add_argument("--layers", type=int, help="with --params: transformer blocks")

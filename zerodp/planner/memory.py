@@ -158,14 +158,15 @@ def layer_activation_factor(m: ModelSpec, seq_len: int) -> float:
     34 + 5*a*s/h for GPT-2 with dropout and unfused attention."""
     h = m.hidden
     drop = 1 if m.dropout else 0
-    attn = 2 + 2 + 4 * m.kv_dim / h + 2 + drop  # QKV input, Q, K and V, out-proj input, dropout mask
+    # QKV input, Q, K and V, out-proj input, dropout mask (Q and the out-proj input are q_dim wide)
+    attn = 2 + 2 * m.q_dim / h + 4 * m.kv_dim / h + 2 * m.q_dim / h + drop
     if not m.fused_attention:  # softmax output (+ its dropout mask and output) per head: a*s^2*b
         attn += (5 if m.dropout else 2) * m.n_head * seq_len / h
     if m.mlp == "swiglu":
         mlp = 2 + 4 * 2 * m.ffn_hidden / h  # input; gate, up, silu(gate), product
     else:
         mlp = 2 + 2 * 2 * m.ffn_hidden / h + drop  # input; GELU input, proj input; dropout mask
-    return attn + mlp + 4  # + the two norms' inputs
+    return attn + mlp + 2 * m.norms_per_block  # + the norms' inputs
 
 
 def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool) -> int:
@@ -204,7 +205,8 @@ def comm_bytes(params: int, layout: Layout) -> tuple[int, int]:
 
 
 def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
-    """Per-GPU memory and predicted step time of running `model` as `layout` says."""
+    """Per-GPU memory and predicted step time of running `model` as `layout` says. Memory, traffic and
+    the optimizer step use every parameter (`model.params`); compute uses `model.active_params`."""
     c, w = layout.cluster, layout.workload
     n, P, ac = c.world_size, model.params, layout.activation_checkpointing
     cb = COMPUTE_BYTES[w.precision]
@@ -237,9 +239,10 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     cpu_node = offloaded * c.gpus_per_node
     cpu_fits = None if not offloaded or c.cpu_ram_bytes is None else cpu_node <= c.cpu_ram_bytes
 
-    # Time: 6*P*tokens FLOPs (forward 2, backward 4), +2 for the recomputed forward.
+    # Time: 6*P*tokens FLOPs (forward 2, backward 4), +2 for the recomputed forward; P counts the
+    # parameters a token computes with (a mixture of experts: only the experts it is routed to).
     tokens = w.micro_batch * w.seq_len * w.grad_accum_steps
-    flops_per_token = (6 + (2 if ac else 0)) * P
+    flops_per_token = (6 + (2 if ac else 0)) * model.active_params
     peak = c.gpu.peak_flops_32 if w.precision == "fp32" else c.gpu.peak_flops_16
     compute_s = flops_per_token * tokens / (c.mfu * peak)
     overlap, exposed = comm_bytes(P, layout)

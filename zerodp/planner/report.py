@@ -19,8 +19,9 @@ def _header(plan) -> list[str]:
     shape = f"{m.n_layer} layers, hidden {m.hidden}, {m.n_head} heads, vocab {m.vocab_size}"
     nodes = f"{c.nodes} nodes x {c.gpus_per_node}" if c.nodes > 1 else f"1 node x {c.gpus_per_node}"
     ckpt = {None: "planner's choice", True: "on", False: "off"}[plan.requested_checkpointing]
+    active = f", {human_count(m.active_params)} active per token" if m.active_params != m.params else ""
     return [
-        f"zerodp plan: {m.name}, {human_count(m.params)} parameters ({m.params:,}; {shape})",
+        f"zerodp plan: {m.name}, {human_count(m.params)} parameters ({m.params:,}{active}; {shape})",
         f"cluster: {c.world_size} x {c.gpu.name} {gb(c.gpu.hbm_bytes)} ({nodes}), {c.link}, "
         f"MFU {c.mfu:.0%}" + (f", CPU RAM {gb(c.cpu_ram_bytes)}/node" if c.cpu_ram_bytes else ""),
         f"step: micro batch {w.micro_batch} x {w.seq_len} tokens x {w.grad_accum_steps} accumulation, "
@@ -64,6 +65,7 @@ def plan_dict(plan) -> dict:
         "schema_version": SCHEMA_VERSION,
         "model": m.name,
         "params": m.params,
+        "active_params": m.active_params,
         "shape": {"n_layer": m.n_layer, "hidden": m.hidden, "n_head": m.n_head, "vocab_size": m.vocab_size,
                   "ffn_hidden": m.ffn_hidden, "kv_dim": m.kv_dim, "context": m.context, "assumed": m.shape_assumed},
         "cluster": {"gpu": c.gpu.name, "hbm_bytes": c.gpu.hbm_bytes, "gpus_per_node": c.gpus_per_node,

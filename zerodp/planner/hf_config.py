@@ -1,0 +1,102 @@
+"""A Hugging Face config.json, read offline into the `Arch` transformers would build from it.
+
+`zerodp plan --hf-config` reads nine model types: the four zerodp trains (gpt2; llama, mistral and
+qwen2, which are zerodp's llama family) and five it only plans (gemma, gemma2, phi3, and the mixtures
+of experts mixtral and qwen2_moe; see zerodp/models/arch.py). A key the file leaves out takes the
+default transformers' configuration class gives it, so the count is the one `from_config` builds
+(tests/test_planner_hf.py builds each under torch.device("meta") and compares every name and shape).
+Imports neither torch nor transformers.
+
+zerodp.models.hf.model_config_from_hf maps the four trainable types to a `model:` section, refusing what
+zerodp cannot train exactly (Llama's attention_bias/mlp_bias, other activations, a sliding window
+shorter than the context, YaRN rope) and capping the context at 4096; the planner must still count
+those, so it reads them here, and tests/test_planner_hf.py pins that both give the same shapes
+wherever the trainable mapping accepts a config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from zerodp.errors import UserError
+from zerodp.models.arch import Arch
+from zerodp.models.hf import read_hf_config as _read
+
+SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "mixtral", "qwen2_moe")
+
+# model_type -> the Arch family whose layout it has (the others are their own family)
+_FAMILY = {"mistral": "llama", "qwen2": "llama"}
+
+# transformers' defaults (models/*/configuration_*.py) for the keys that change a shape, where they are
+# not llama's (num_key_value_heads = num_attention_heads, head_dim = hidden_size / num_attention_heads,
+# untied head, no biases): a key the file omits takes these; one it sets to null falls back to llama's.
+_DEFAULTS = {
+    "gpt2": {"tie_word_embeddings": True},
+    "mistral": {"num_key_value_heads": 8},
+    "qwen2": {"num_key_value_heads": 32},
+    "gemma": {"num_key_value_heads": 16, "head_dim": 256, "tie_word_embeddings": True},
+    "gemma2": {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True},
+    "mixtral": {"num_key_value_heads": 8, "num_experts_per_tok": 2},  # num_local_experts: 8, below
+    "qwen2_moe": {"num_key_value_heads": 16, "num_experts": 60, "num_experts_per_tok": 4,
+                  "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True},
+}
+
+_REQUIRED = object()
+
+
+def read_hf_config(path: str) -> tuple[dict, Path]:
+    """(the parsed config.json, its path) of a model folder or a config.json; UserError if unreadable."""
+    return _read(path, what="--hf-config")
+
+
+def arch_from_hf(raw: dict, where: str = "--hf-config") -> Arch:
+    """The Arch of the model a config.json describes (see SUPPORTED). `where` begins error messages."""
+    kind = raw.get("model_type")
+    if kind not in SUPPORTED:
+        raise UserError(f"{where}: model_type {kind!r} is not supported; the planner reads "
+                        f"{', '.join(SUPPORTED)} configs (for others use --params with --layers/--hidden)")
+    given = {**_DEFAULTS.get(kind, {}), **raw}
+
+    def get(key: str, fallback=_REQUIRED, *alts: str) -> int:
+        """A positive integer: the first of key/alts set, else `fallback`; UserError when required."""
+        for k in (key, *alts):
+            if given.get(k) is not None:
+                value = given[k]
+                break
+        else:
+            if fallback is _REQUIRED:
+                raise UserError(f"{where}: {kind} config lacks {key!r}; is it the model's config.json?")
+            return fallback
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UserError(f"{where}: {key}={value!r} must be a positive integer")
+        return value
+
+    tied = bool(given.get("tie_word_embeddings", False))
+    if kind == "gpt2":
+        h, heads = get("n_embd"), get("n_head")
+        return Arch("gpt2", n_layer=get("n_layer"), n_embd=h, n_head=heads, n_kv_head=heads, head_dim=h // heads,
+                    ffn=get("n_inner", 4 * h), vocab_size=get("vocab_size"), block_size=get("n_positions", _REQUIRED,
+                    "n_ctx"), bias=True, qkv_bias=False, tied=tied)
+
+    h, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
+    attention_bias = kind in ("llama", "gemma", "gemma2") and bool(given.get("attention_bias", False))
+    moe: dict = {}
+    if kind == "mixtral":
+        moe = dict(n_experts=get("num_local_experts", 8, "num_experts"),  # num_experts: transformers' alias
+                   experts_per_token=get("num_experts_per_tok"), expert_ffn=get("intermediate_size"))
+    elif kind == "qwen2_moe":
+        step, dense = get("decoder_sparse_step"), set(given.get("mlp_only_layers") or ())
+        moe = dict(n_experts=get("num_experts"), experts_per_token=get("num_experts_per_tok"),
+                   expert_ffn=get("moe_intermediate_size"), shared_expert_ffn=get("shared_expert_intermediate_size"),
+                   dense_layers=tuple(i for i in range(layers) if i in dense or (i + 1) % step))
+    if moe and moe["experts_per_token"] > moe["n_experts"]:
+        raise UserError(f"{where}: num_experts_per_tok={moe['experts_per_token']} exceeds the "
+                        f"{moe['n_experts']} experts")
+    return Arch(
+        _FAMILY.get(kind, kind), n_layer=layers, n_embd=h, n_head=heads,
+        n_kv_head=get("num_key_value_heads", heads), head_dim=get("head_dim", h // heads),
+        ffn=get("intermediate_size"), vocab_size=get("vocab_size"),
+        block_size=get("max_position_embeddings", 4096), bias=False,
+        qkv_bias=attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and bool(given["qkv_bias"])),
+        tied=tied, o_bias=attention_bias, mlp_bias=kind == "llama" and bool(given.get("mlp_bias", False)), **moe)

@@ -310,7 +310,7 @@ def resume_point(out_dir: str | Path, set_aside_damaged: bool = True) -> ResumeP
 
 
 # Model settings that do not change the weights or what they compute: free to differ on resume.
-FREE_MODEL_KEYS = ("dropout", "activation_checkpointing", "init_from")
+FREE_MODEL_KEYS = ("dropout", "activation_checkpointing", "init_from", "hf_config")
 
 
 @dataclass
@@ -319,22 +319,41 @@ class ModelCheck:
     """How the checkpoint's model differs from the one configured, or None when they match."""
     has_optimizer: bool
     """Whether the checkpoint holds AdamW moments for every parameter (else it is weights only)."""
+    hf_config: bool = False
+    """Whether the checkpoint's model settings came from a Hugging Face config.json beside its weights."""
 
 
 def check_model(path: str | Path, model_cfg: dict, shapes: dict[str, tuple]) -> ModelCheck:
     """Compare the model a checkpoint holds with the configured one, before anything is loaded or
-    written: first the model settings meta.json records (naming each differing key), then the
-    parameter names and shapes. Reads metadata only (headers, manifests), no tensor data."""
+    written: first the model settings it records (meta.json's, or a Hugging Face folder's config.json
+    read through zerodp.models.hf: arch, widths, heads, kv heads, tying, norm and rope), naming each
+    differing key, then the parameter names and shapes. Keys left null on either side count as their
+    family's default. Reads metadata only (headers, manifests), no tensor data."""
     from zerodp.convert import open_checkpoint
     from zerodp.strategies.common import FullState
 
     with open_checkpoint(path) as source:
         state = FullState(source, with_optimizer=True)
-        saved = (source.meta.get("config") or {}).get("model") or {}
-        diffs = [f"model.{k}={saved[k]!r} there, {ours!r} here" for k, ours in model_cfg.items()
-                 if k not in FREE_MODEL_KEYS and k in saved and saved[k] != ours]
+        saved = _effective((source.meta.get("config") or {}).get("model") or {})
+        ours = _effective(model_cfg)
+        diffs = [f"model.{k}={saved[k]!r} there, {v!r} here" for k, v in ours.items()
+                 if k not in FREE_MODEL_KEYS and k in saved and saved[k] != v]
         problem = ", ".join(diffs) if diffs else state.mismatch(shapes)
-        return ModelCheck(problem, state.with_optimizer)
+        return ModelCheck(problem, state.with_optimizer, "hf_config" in source.meta)
+
+
+def _effective(model: dict) -> dict:
+    """A model section with the keys null means "the family's default" for (kv heads, head width, MLP
+    width, biases, tying) replaced by those defaults, so that `null` and its value compare equal."""
+    if not model:
+        return {}
+    from zerodp.config import ModelConfig
+    from zerodp.models.arch import arch_of
+
+    a = arch_of(ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}))
+    filled = {"n_kv_head": a.n_kv_head, "head_dim": a.head_dim, "intermediate_size": a.ffn, "bias": a.bias,
+              "tie_embeddings": a.tied}
+    return {**model, **{k: v for k, v in filled.items() if k in model}}
 
 
 def read_meta(ckpt: Path) -> dict:

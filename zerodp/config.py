@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import yaml
 
-from zerodp.errors import ConfigError
+from zerodp.errors import ConfigError, UserError
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "auto")
 ARCHS = ("gpt2", "llama")
@@ -70,7 +70,8 @@ class ModelConfig:
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass instead of storing them."""
     init_from: Optional[str] = None
-    """Start from these weights (safetensors file or convertible checkpoint) instead of random init."""
+    """Start from these weights (safetensors file, Hugging Face model folder or convertible checkpoint)
+    instead of random init; checked against this model section before the run starts."""
 
 
 @dataclass
@@ -479,8 +480,35 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             _set_nested(body, key.split("."), value)
         else:
             body[key] = value
-    cfg = from_dict(raw, where if not overrides else f"{where} (with overrides)")
+    where = where if not overrides else f"{where} (with overrides)"
+    cfg = from_dict(raw, where)
+    if cfg.model.hf_config:
+        given = {k for k, v in (raw.get("model") or {}).items() if v is not None}
+        apply_hf_config(cfg.model, given, where)
     return resolve_model(cfg).validate()
+
+
+def apply_hf_config(m: ModelConfig, given: set[str], where: str = "the config") -> ModelConfig:
+    """Set arch and every dimension from the Hugging Face config.json `m.hf_config` names (before
+    resolve_model). A key in `given` (set in the YAML or an override) must agree with the file, else a
+    ConfigError names both values; a llama-family model's block_size is the exception: the length to
+    train at, not a property of the weights (zerodp.models.hf.model_config_from_hf). Returns m."""
+    from zerodp.models.hf import model_config_from_hf, read_hf_config
+
+    try:
+        raw, path = read_hf_config(m.hf_config)
+        derived = model_config_from_hf(raw, str(path), m.block_size if "block_size" in given else None)
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+    for key, value in derived.items():
+        if value is None:
+            continue
+        if key not in given:
+            setattr(m, key, value)
+        elif getattr(m, key) != value:
+            raise ConfigError(f"model.{key}={getattr(m, key)!r} in {where} contradicts model.hf_config {path}, which "
+                              f"gives {key}={value!r}; remove model.{key} or set it to {value!r}")
+    return m
 
 
 def resolve_model(cfg: Config) -> Config:

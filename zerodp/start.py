@@ -80,8 +80,10 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0)
         shapes = shapes or param_shapes(cfg.model)
         check = checkpoint.check_model(path, model_cfg, shapes)
         if check.problem:
+            fix = (f"set model.hf_config: {path} (its config.json gives every dimension)" if check.hf_config
+                   else "set the model section to the checkpoint's dimensions")
             raise UserError(f"model.init_from {path} holds a different model than this config ({check.problem}); "
-                            f"set the model section to the checkpoint's dimensions")
+                            f"{fix}")
         plan.init_from = path
         plan.why += f"; weights from {path} (model.init_from), a fresh AdamW"
     return plan

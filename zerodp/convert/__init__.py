@@ -1,10 +1,11 @@
 """Checkpoints that move: read any supported checkpoint as one canonical, streaming view, and write it
-as consolidated safetensors or as a zerodp checkpoint (canonical layout). No DeepSpeed import, no pickled
+as consolidated safetensors, as a Hugging Face model folder or as a zerodp checkpoint (canonical layout). No DeepSpeed import, no pickled
 code executed. See docs/checkpoints.md.
 
     src = open_checkpoint("runs/gpt/checkpoints")      # zerodp (any strategy), DeepSpeed, DCP, safetensors
     for name, kind, tensor in src.iter_tensors(("param", "exp_avg", "exp_avg_sq")): ...
     write_safetensors(src, "export/", dtype="bf16", max_shard_size=parse_size("5GB"))
+    write_hf(src, "hf-export/")                          # config.json + HF names and layouts
     write_zerodp(src, "runs/new/checkpoints/step_00001000")
 """
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 # torch is imported only when a reader or writer is used: `zerodp --help` and `zerodp plan` stay instant.
 _LAZY = {"KINDS": "source", "CheckpointSource": "source", "TensorInfo": "source",
-         "parse_size": "writers", "write_safetensors": "writers", "write_zerodp": "writers"}
+         "parse_size": "writers", "write_safetensors": "writers", "write_zerodp": "writers", "write_hf": "writers"}
 
 
 def __getattr__(name: str):
@@ -32,7 +33,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'zerodp.convert' has no attribute {name!r}")
 
 __all__ = ["KINDS", "CheckpointSource", "TensorInfo", "open_checkpoint", "detect_format", "parse_size",
-           "write_safetensors", "write_zerodp"]
+           "write_safetensors", "write_hf", "write_zerodp"]
 
 FORMATS = ("zerodp", "deepspeed", "dcp", "safetensors")
 

@@ -12,21 +12,26 @@ import time
 
 from zerodp.errors import UserError
 
-TARGETS = ("safetensors", "zerodp")
+TARGETS = ("safetensors", "hf", "zerodp")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 
 
 def add_convert_parser(sub) -> None:
     p = sub.add_parser(
-        "convert", help="convert a checkpoint (zerodp, DeepSpeed, DCP, safetensors) to safetensors or zerodp",
-        description="Detect what SRC is and write it to DST: consolidated safetensors (for inference, the "
-                    "HF hub) or a zerodp checkpoint in the canonical layout (resume at any world size).")
+        "convert", help="convert a checkpoint (zerodp, DeepSpeed, DCP, safetensors, a Hugging Face model folder) "
+                        "to safetensors, a Hugging Face model folder or zerodp",
+        description="Detect what SRC is and write it to DST: consolidated safetensors as SRC names them, a "
+                    "Hugging Face model folder (config.json and weights that transformers' from_pretrained "
+                    "loads), or a zerodp checkpoint in the canonical layout (resume at any world size).")
     p.add_argument("src", help="checkpoint: zerodp step_ folder or out_dir, DeepSpeed save_dir, DCP folder, "
                                ".safetensors file or folder")
     p.add_argument("dst", help="output folder (created; must be new or empty, outside SRC, and not hold SRC)")
-    p.add_argument("--to", default="safetensors", help="safetensors (default) | zerodp")
-    p.add_argument("--dtype", default=None, help="safetensors weights dtype: fp32 | bf16 | fp16 (default: as stored)")
-    p.add_argument("--max-shard-size", default=None, help="split safetensors output into shards, e.g. 5GB")
+    p.add_argument("--to", default="safetensors", help="safetensors (default) | hf | zerodp")
+    p.add_argument("--dtype", default=None, help="safetensors/hf weights dtype: fp32 | bf16 | fp16 (default: as stored)")
+    p.add_argument("--max-shard-size", default=None, help="split safetensors/hf output into shards, e.g. 5GB")
+    p.add_argument("--config", default=None,
+                   help="hf target: the zerodp config the weights were trained with, for a source that records "
+                        "none (a DeepSpeed or DCP folder written outside zerodp)")
     p.add_argument("--step", type=int, default=None, help="zerodp target: training step to record")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST if it is an earlier output of `zerodp convert` with the same --to")
@@ -44,14 +49,23 @@ def add_inspect_parser(sub) -> None:
 
 def run_convert(args) -> int:
     from zerodp.convert import open_checkpoint, parse_size, write_safetensors, write_zerodp
-    from zerodp.convert.writers import check_destination
+    from zerodp.convert.writers import check_destination, write_hf
 
     if args.to not in TARGETS:
-        raise UserError(f"--to {args.to} is not a target; use --to safetensors or --to zerodp")
+        raise UserError(f"--to {args.to} is not a target; use --to safetensors or --to zerodp, or --to hf for a "
+                        f"Hugging Face model folder")
     if args.dtype is not None and args.dtype not in DTYPE_NAMES:
         raise UserError(f"--dtype {args.dtype} is not supported; use fp32, bf16 or fp16")
     if args.to == "zerodp" and (args.dtype not in (None, "fp32") or args.max_shard_size):
-        raise UserError("--dtype and --max-shard-size apply to --to safetensors; a zerodp checkpoint is always fp32")
+        raise UserError("--dtype and --max-shard-size apply to --to safetensors and hf; a zerodp checkpoint is "
+                        "always fp32")
+    if args.config and args.to != "hf":
+        raise UserError("--config applies to --to hf (the model a source without one holds); remove it")
+    model = None
+    if args.config:
+        from zerodp.config import load_config
+
+        model = load_config(args.config).to_dict()["model"]
     shard = parse_size(args.max_shard_size) if args.max_shard_size else None
     # Before SRC is opened (and hashed): DST must not overlap SRC as given (an out_dir, say, of which
     # the source reads one step folder) nor be anything but new, empty or an earlier output of --to.
@@ -63,6 +77,10 @@ def run_convert(args) -> int:
             out = write_safetensors(src, args.dst, dtype=args.dtype, max_shard_size=shard,
                                     progress=not args.no_progress, overwrite=args.overwrite)
             what = f"{len(out)} file{'s' if len(out) > 1 else ''}"
+        elif args.to == "hf":
+            out = write_hf(src, args.dst, dtype=args.dtype, max_shard_size=shard, progress=not args.no_progress,
+                           overwrite=args.overwrite, model=model)
+            what = f"a Hugging Face model folder ({len(out)} files)"
         else:
             write_zerodp(src, args.dst, step=args.step, progress=not args.no_progress, overwrite=args.overwrite)
             what = "a zerodp checkpoint"

@@ -1,7 +1,12 @@
-"""Hugging Face style safetensors: one `*.safetensors` file, or shards listed by `*.index.json`.
+"""Hugging Face style safetensors: one `*.safetensors` file, or shards listed by `*.index.json`; with a
+Hugging Face config.json beside them, a model folder (gpt2, llama, mistral, qwen2).
 
-Weights only. Ties are read from our own metadata (`zerodp.tied`) when present; an HF file that
-simply omits a tied head (GPT-2's lm_head) has nothing to record and is read as it is.
+Weights only. Ties are read from our own metadata (`zerodp.tied`) when present, else from config.json's
+tie_word_embeddings; an HF file that simply omits a tied head (GPT-2's lm_head) has nothing to record.
+Which names and layouts the tensors are in ("hf" or "zerodp", `meta["names"]`) comes from our own
+metadata (`zerodp.layout`) when present; zerodp.strategies.common.FullState guesses otherwise. A
+config.json gives `meta["config"]["model"]` (zerodp's model keys, so a model check compares settings
+as for a zerodp checkpoint) and `meta["hf_config"]`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from pathlib import Path
 import torch
 
 from zerodp.convert.source import CheckpointSource, SafetensorsFile, TensorInfo, check_kind
-from zerodp.errors import CheckpointError
+from zerodp.errors import CheckpointError, UserError
 
 INDEX = "model.safetensors.index.json"
 
@@ -71,8 +76,47 @@ class SafetensorsSource(CheckpointSource):
                 self.meta[k] = src[k]
         dtypes = sorted({str(self.info(n).dtype).replace("torch.", "") for n in names})
         self.meta["dtype"] = ",".join(dtypes)
+        if md.get("zerodp.layout") in ("hf", "zerodp"):
+            self.meta["names"] = md["zerodp.layout"]
+        if "zerodp.config" in md and "config" not in self.meta:
+            try:
+                self.meta["config"] = json.loads(md["zerodp.config"])
+            except json.JSONDecodeError:
+                pass
+        self._read_hf_config(names)
         # Tied aliases present as tensors are written twice by some tools; keep one name per tensor.
         self._names = [n for n in names if n not in self.tied()]
+
+    def _read_hf_config(self, names: list[str]) -> None:
+        """Take the model's settings and ties from a config.json beside the weights, if there is one. A
+        model zerodp cannot run is recorded (`hf_config_error`), not raised: inspect and --to safetensors
+        still read it; loading it into a model (FullState) raises."""
+        from zerodp.models.hf import model_config_from_hf
+
+        cfg_path = self.path.parent / "config.json"
+        if not cfg_path.is_file():
+            return
+        try:
+            raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            return
+        if not isinstance(raw, dict) or "model_type" not in raw:
+            return
+        self.meta["hf_config"] = raw
+        try:
+            model = model_config_from_hf(raw, where=str(cfg_path))
+        except UserError as e:
+            self.meta["hf_config_error"] = str(e)
+            return
+        if model["arch"] == "llama":  # a RoPE model's training length is not a property of its weights
+            model.pop("block_size")
+        self.meta.setdefault("config", {"model": model})
+        if model["tie_embeddings"] and "zerodp.tied" not in self.meta["metadata"]:
+            # HF files omit the tied head (some tools write it twice: it is then listed once)
+            embedding = next((n for n in ("transformer.wte.weight", "wte.weight", "model.embed_tokens.weight")
+                              if n in names), None)
+            if embedding:
+                self.meta["tied"] = {"lm_head.weight": embedding}
 
     def param_names(self) -> list[str]:
         return list(self._names)

@@ -16,6 +16,15 @@ def _human(n: int) -> str:
     return ""
 
 
+def _model_line(src) -> str:
+    """The model an HF folder's config.json describes, in a few words (or why zerodp cannot run it)."""
+    if src.meta.get("hf_config_error"):
+        return f"not runnable by zerodp: {src.meta['hf_config_error']}"
+    m = src.meta["config"]["model"]
+    return (f"{src.meta['hf_config']['model_type']}, {m['n_layer']} layers, {m['n_embd']} wide, {m['n_head']} heads "
+            f"({m['n_kv_head']} kv), vocab {m['vocab_size']}, {'tied' if m['tie_embeddings'] else 'untied'} head")
+
+
 def inspect_checkpoint(path) -> tuple[list[str], bool]:
     """The report's lines and whether the checkpoint is intact (opening failures become a report too)."""
     try:
@@ -31,6 +40,8 @@ def inspect_checkpoint(path) -> tuple[list[str], bool]:
         size = sum(f.stat().st_size for f in files if f.is_file())
         problem = src.verify(deep=True)
         kind = src.format + (f" ({src.layout} layout)" if hasattr(src, "layout") else "")
+        if src.meta.get("hf_config"):
+            kind += f" (Hugging Face model folder: {_model_line(src)})"
         lines = [
             f"path:        {src.path}",
             f"format:      {kind}",

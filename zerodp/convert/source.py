@@ -110,6 +110,17 @@ class CheckpointSource:
         self.close()
 
 
+def names_layout(source: CheckpointSource) -> str:
+    """"hf" if the source's tensors are in Hugging Face's names and layouts, else "zerodp": as its
+    metadata says (`meta["names"]`), else as zerodp.models.hf.guess_layout reads the shapes."""
+    from zerodp.models.hf import guess_layout
+
+    said = source.meta.get("names")
+    if said in ("hf", "zerodp"):
+        return said
+    return guess_layout({n: source.info(n).shape for n in source.param_names() if n.endswith("c_attn.weight")})
+
+
 def check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")

@@ -1,9 +1,12 @@
-"""Targets: consolidated (optionally sharded) safetensors, and a zerodp checkpoint in the canonical layout.
+"""Targets: consolidated (optionally sharded) safetensors, a Hugging Face model folder (config.json and
+safetensors in HF's names and layouts), and a zerodp checkpoint in the canonical layout.
 
-Both stream: tensors are fetched from the source one at a time and written straight into a file
+All stream: tensors are fetched from the source one at a time and written straight into a file
 whose header was laid out first, so memory holds about one tensor whatever the model size. Both
 write through zerodp.safe_output: DST never overlaps what the source reads, only an earlier output
-of the same target is replaced (`check_destination`), and only once the new one is complete.
+of the same target is replaced (`check_destination`), and only once the new one is complete. The
+Hugging Face and zerodp targets read the source through zerodp.strategies.common.FullState, so both
+write their own names and layouts whatever the source's (zerodp/models/hf.py holds the mapping).
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, write_safetensors_file
-from zerodp.errors import UserError
+from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, names_layout, write_safetensors_file
+from zerodp.errors import CheckpointError, UserError
 from zerodp.safe_output import check_output, staged
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,15 +48,17 @@ def _progress(total: int, desc: str, enabled: bool):
 # A `zerodp convert` output records that convert made it in the metadata it has always written, so
 # no extra file rides along to the hub: a zerodp checkpoint's meta.json has `converted_from`; a
 # safetensors export has `zerodp.source` in every file's header metadata (and the index's) and no
-# meta.json. Either is replaceable only if it holds nothing else: a user's tokenizer or config.json
-# added to an export folder would be lost with it.
+# meta.json; a Hugging Face export is one whose files also say `zerodp.layout: hf`, with the
+# config.json written beside them. Either is replaceable only if it holds nothing else: a user's
+# tokenizer added to an export folder (or a config.json added to a --to safetensors one) would be lost.
 _EXPORT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|" + re.escape(INDEX))
+HF_CONFIG = "config.json"
 
 
 def check_destination(dst: str | Path, to: str, overwrite: bool, inputs=()) -> None:
     """Refuse (UserError) a `dst` that `zerodp convert --to {to}` may not write: one that overlaps an
     input, a file, a non-empty folder without `overwrite`, or one that is not an earlier output of
-    `--to {to}` (a training run or checkpoint, foreign files, the other target's output)."""
+    `--to {to}` (a training run or checkpoint, foreign files, another target's output)."""
     def not_replaceable(folder: Path) -> str | None:
         kind, why = convert_output_kind(folder)
         if kind is None:
@@ -64,8 +69,8 @@ def check_destination(dst: str | Path, to: str, overwrite: bool, inputs=()) -> N
 
 
 def convert_output_kind(folder: Path) -> tuple[str | None, str]:
-    """("safetensors" | "zerodp", "") if non-empty `folder` is an earlier `zerodp convert` output and
-    holds nothing else; else (None, what it is instead)."""
+    """("safetensors" | "hf" | "zerodp", "") if non-empty `folder` is an earlier `zerodp convert` output
+    and holds nothing else; else (None, what it is instead)."""
     entries = sorted(folder.iterdir())
     meta_path = folder / "meta.json"
     if meta_path.is_file():
@@ -78,13 +83,22 @@ def convert_output_kind(folder: Path) -> tuple[str | None, str]:
         listed = set(meta.get("files") or {}) | {"meta.json"}
         foreign = [p.name for p in entries if p.name not in listed or not p.is_file() or p.is_symlink()]
         return (None, f"holds {foreign[0]}, which zerodp convert did not write") if foreign else ("zerodp", "")
+    layouts = set()
     for p in entries:
+        if p.name == HF_CONFIG and p.is_file() and not p.is_symlink():
+            continue
         if not _EXPORT_NAME.fullmatch(p.name) or not p.is_file() or p.is_symlink():
             return None, f"holds {p.name}, which zerodp convert did not write"
         md = _index_metadata(p) if p.name == INDEX else _header_metadata(p)
         if "zerodp.source" not in md:
             return None, f"holds {p.name}, which zerodp convert did not write (no zerodp.source in its metadata)"
-    return "safetensors", ""
+        layouts.add(md.get("zerodp.layout"))
+    if not layouts:
+        return None, f"holds {HF_CONFIG}, which zerodp convert did not write (no weights of ours beside it)"
+    kind = "hf" if layouts == {"hf"} and (folder / HF_CONFIG).is_file() else "safetensors"
+    if kind == "safetensors" and (folder / HF_CONFIG).exists():
+        return None, f"holds {HF_CONFIG}, which zerodp convert --to safetensors did not write"
+    return kind, ""
 
 
 def _header_metadata(path: Path) -> dict:
@@ -114,30 +128,20 @@ def _read_paths(source: CheckpointSource) -> list[Path]:
     return paths
 
 
-def _source_metadata(source: CheckpointSource) -> dict[str, str]:
-    md = {"format": "pt", "zerodp.source": json.dumps(source.describe(), sort_keys=True),
-          "zerodp.tied": json.dumps(source.tied(), sort_keys=True)}
-    cfg = source.meta.get("config")
+def _source_metadata(source: CheckpointSource, layout: str, tied: dict | None = None,
+                     config: dict | None = None) -> dict[str, str]:
+    """Every written file's metadata: where it came from, its names' layout ("hf" | "zerodp"), ties, config."""
+    md = {"format": "pt", "zerodp.source": json.dumps(source.describe(), sort_keys=True), "zerodp.layout": layout,
+          "zerodp.tied": json.dumps(source.tied() if tied is None else tied, sort_keys=True)}
+    cfg = config or source.meta.get("config")
     if cfg:
         md["zerodp.config"] = json.dumps(cfg, sort_keys=True)
     return md
 
 
-def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | None = None,
-                      max_shard_size: int | None = None, progress: bool = True, overwrite: bool = False) -> list[Path]:
-    """Write the source's weights into folder `dst` as `model.safetensors`, or, when they exceed
-    `max_shard_size` bytes, as HF's `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json`.
-
-    dtype None keeps each tensor's dtype; "fp32" | "bf16" | "fp16" casts floating tensors. A tied
-    alias is not written (HF's convention: GPT-2's lm_head.weight is absent and re-tied on load);
-    `zerodp.tied` in the metadata records it. The source's description rides in `zerodp.source`."""
-    dst = Path(dst)
-    target = DTYPES[dtype] if dtype else None
-    names = source.param_names()
-    infos = {}
-    for n in names:
-        i = source.info(n)
-        infos[n] = TensorInfo(i.shape, target if target is not None and i.dtype.is_floating_point else i.dtype)
+def _shard(names: list[str], infos: dict[str, TensorInfo], max_shard_size: int | None) -> dict[str, list[str]]:
+    """{file name: its tensors}: one model.safetensors, or HF's model-0000k-of-0000n.safetensors shards
+    of at most max_shard_size bytes (a larger tensor gets a shard of its own)."""
     shards: list[list[str]] = [[]]
     size = 0
     for n in names:
@@ -146,24 +150,109 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
             size = 0
         shards[-1].append(n)
         size += infos[n].nbytes
+    k = len(shards)
+    files = ["model.safetensors"] if k == 1 else [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
+    return dict(zip(files, shards))
+
+
+def _write_shards(out: Path, shards: dict[str, list[str]], infos: dict[str, TensorInfo], fetch, metadata: dict,
+                  bar) -> list[str]:
+    """Write the shards (and, for more than one, the index) into `out`; return the file names."""
+    for name, shard in shards.items():
+        write_safetensors_file(out / name, shard, infos, fetch, metadata, bar.update)
+    files = list(shards)
+    if len(shards) > 1:
+        weight_map = {n: name for name, shard in shards.items() for n in shard}
+        total = sum(i.nbytes for i in infos.values())
+        index = {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index, indent=1))
+        files.append(INDEX)
+    return files
+
+
+def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | None = None,
+                      max_shard_size: int | None = None, progress: bool = True, overwrite: bool = False) -> list[Path]:
+    """Write the source's weights into folder `dst` as `model.safetensors`, or, when they exceed
+    `max_shard_size` bytes, as HF's `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json`.
+
+    Names and layouts stay as the source has them (`zerodp.layout` in the metadata says which). dtype
+    None keeps each tensor's dtype; "fp32" | "bf16" | "fp16" casts floating tensors. A tied alias is
+    not written (HF's convention: GPT-2's lm_head.weight is absent and re-tied on load); `zerodp.tied`
+    in the metadata records it. The source's description rides in `zerodp.source`."""
+    dst = Path(dst)
+    target = DTYPES[dtype] if dtype else None
+    names = source.param_names()
+    infos = {}
+    for n in names:
+        i = source.info(n)
+        infos[n] = TensorInfo(i.shape, target if target is not None and i.dtype.is_floating_point else i.dtype)
+    shards = _shard(names, infos, max_shard_size)
     check_destination(dst, "safetensors", overwrite, _read_paths(source))
-    metadata = _source_metadata(source)
+    metadata = _source_metadata(source, names_layout(source))
 
     def fetch(n: str) -> torch.Tensor:
         t = source.get(n)
         return t.to(infos[n].dtype) if t.dtype != infos[n].dtype else t
 
     total = sum(i.nbytes for i in infos.values())
-    k = len(shards)
-    files = ["model.safetensors"] if k == 1 else [f"model-{i:05d}-of-{k:05d}.safetensors" for i in range(1, k + 1)]
     with staged(dst) as out, _progress(total, "convert", progress) as bar:
-        for name, shard in zip(files, shards):
-            write_safetensors_file(out / name, shard, infos, fetch, metadata, bar.update)
-        if k > 1:
-            weight_map = {n: name for name, shard in zip(files, shards) for n in shard}
-            index = {"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}
-            (out / INDEX).write_text(json.dumps(index, indent=1))
-            files.append(INDEX)
+        files = _write_shards(out, shards, infos, fetch, metadata, bar)
+    return [dst / name for name in files]
+
+
+def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None, max_shard_size: int | None = None,
+             progress: bool = True, overwrite: bool = False, model: dict | None = None) -> list[Path]:
+    """Write folder `dst` as a Hugging Face model: config.json (zerodp.models.hf.hf_config_from_model) and
+    the weights in HF's names and layouts, one model.safetensors or shards with an index, as
+    `write_safetensors` lays them out; `AutoModelForCausalLM.from_pretrained(dst)` loads it.
+
+    `model`: the zerodp model section (a dict) the weights belong to; default the source's own
+    (`source.meta["config"]["model"]`: a zerodp checkpoint's meta.json, an export's metadata, an HF
+    folder's config.json). A tied head is not written (HF re-ties it on load). dtype as for
+    `write_safetensors`; config.json's torch_dtype names the embedding's."""
+    from zerodp.config import ModelConfig
+    from zerodp.models.arch import arch_of
+    from zerodp.models.hf import hf_config_from_model, to_hf, transposed
+    from zerodp.strategies.common import FullState
+
+    dst = Path(dst)
+    model = model or (source.meta.get("config") or {}).get("model")
+    if not model:
+        raise UserError(f"{source.path} records no model config (a {source.format} checkpoint written outside "
+                        f"zerodp); pass --config with the zerodp config it was trained with")
+    a = arch_of(ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}))
+    state = FullState(source, with_optimizer=False)
+    shapes = a.param_shapes()
+    problem = state.mismatch(shapes)
+    if problem:
+        raise CheckpointError(f"{source.path} does not hold the model its config describes ({problem})")
+    target = DTYPES[dtype] if dtype else None
+    hf_names, infos, back = [], {}, {}
+    for name, shape in shapes.items():
+        hf_name, transform = to_hf(a.family, name)
+        have = state.source_dtype(name)
+        infos[hf_name] = TensorInfo(transposed(shape, transform), target or have if have.is_floating_point else have)
+        hf_names.append(hf_name)
+        back[hf_name] = (name, shape, transform)
+    longest = (source.meta.get("hf_config") or {}).get("max_position_embeddings") if a.family == "llama" else None
+    dtype_name = str(infos[to_hf(a.family, a.embedding)[0]].dtype).replace("torch.", "")
+    config = hf_config_from_model(model, dtype=dtype_name, max_positions=longest)
+    shards = _shard(hf_names, infos, max_shard_size)
+    check_destination(dst, "hf", overwrite, _read_paths(source))
+    tied = {to_hf(a.family, alias)[0]: to_hf(a.family, stored)[0] for alias, stored in a.tied_weights().items()}
+    metadata = _source_metadata(source, "hf", tied, {"model": model})
+
+    def fetch(hf_name: str) -> torch.Tensor:
+        name, shape, transform = back[hf_name]
+        t = state.get(name, "param", shape)
+        if transform:
+            t = t.t().contiguous()  # nn.Linear (out, in) -> HF's Conv1D (in, out)
+        return t.to(infos[hf_name].dtype)
+
+    total = sum(i.nbytes for i in infos.values())
+    with staged(dst) as out, _progress(total, "convert", progress) as bar:
+        (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        files = [HF_CONFIG, *_write_shards(out, shards, infos, fetch, metadata, bar)]
     return [dst / name for name in files]
 
 
@@ -182,22 +271,24 @@ def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = N
 
 def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | None, progress: bool) -> None:
     from zerodp.checkpoint import FORMAT_VERSION, sha256_file
+    from zerodp.strategies.common import FullState
 
-    names = source.param_names()
-    infos = {n: TensorInfo(source.info(n).shape, torch.float32) for n in names}
-    moments = [n for n in names if all(source.has(n, k) for k in MOMENTS)]
+    state = FullState(source, with_optimizer=False)  # the model's names and layouts, whatever the source's
+    names = state.param_names()
+    infos = {n: TensorInfo(state.shape(n), torch.float32) for n in names}
+    moments = [n for n in names if all(state.has(n, k) for k in MOMENTS)]
     m_names = [f"{n}/{k}" for n in moments for k in MOMENTS]
     m_infos = {f"{n}/{k}": infos[n] for n in moments for k in MOMENTS}
-    metadata = _source_metadata(source)
+    metadata = _source_metadata(source, "zerodp", state.tied())
     total = sum(i.nbytes for i in infos.values()) + sum(i.nbytes for i in m_infos.values())
     with _progress(total, "convert", progress) as bar:
         write_safetensors_file(dst / "model.safetensors", names, infos,
-                               lambda n: source.get(n).float(), metadata, bar.update)
+                               lambda n: state.get(n, "param", infos[n].shape), metadata, bar.update)
         write_safetensors_file(dst / "optim.safetensors", m_names, m_infos,
-                               lambda key: source.get(*key.rsplit("/", 1)).float(), metadata, bar.update)
+                               lambda key: state.get(*key.rsplit("/", 1), m_infos[key].shape), metadata, bar.update)
     steps = {}
     for n in moments:
-        s = source.step(n)
+        s = source.step(state.stored[n][0])
         steps[n] = float(s if s is not None else (train_step or 0))
     (dst / "optim.json").write_text(json.dumps({"step": steps, "extra": {}}))
     trainer = dict(getattr(source, "trainer", {}) or {})
@@ -209,7 +300,7 @@ def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | 
         "precision": source.meta.get("precision", "fp32"),
         "config": source.meta.get("config") or {},
         "params": {n: {"shape": list(infos[n].shape), "dtype": "float32"} for n in names},
-        "tied": source.tied(),
+        "tied": state.tied(),
         "converted_from": source.describe(),
         "torch_version": torch.__version__,
         "format_version": FORMAT_VERSION, "step": int(train_step or 0), "files": files,

@@ -122,37 +122,68 @@ def replicated_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -
 class FullState:
     """Full fp32 tensors by the model's own parameter names, from any checkpoint source
     (`zerodp.convert.open_checkpoint`): what lets any strategy at any world size start from a
-    checkpoint written by any other. Shapes are checked; tied aliases are followed. Hugging Face GPT-2
-    files (`h.0.attn.c_attn.weight`, Conv1D weights stored as (in, out)) are read too."""
-
-    CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    checkpoint written by any other. Shapes are checked; tied aliases are followed. Weights in Hugging
+    Face's names and layouts (an HF model folder, a `--to hf` export) are read through the family's
+    table in zerodp/models/hf.py (GPT-2's Conv1D weights transposed, GPT2Model's unprefixed names,
+    HF's mask buffers ignored)."""
 
     def __init__(self, source, with_optimizer: bool):
-        self.source = source
-        self.names = set(source.param_names())
-        tied = source.tied()
-        self.aliases = {**tied, **{stored: alias for alias, stored in tied.items()}}
-        self.with_optimizer = with_optimizer and all(source.has(n, "exp_avg") for n in self.names)
-        # Hugging Face GPT-2 (GPT2Model or GPT2LMHeadModel) stores its Conv1D weights as (in, out):
-        # recognised by c_attn's shape (h, 3h) where nn.Linear has (3h, h).
-        c_attn = next((n for n in self.names if n.endswith("h.0.attn.c_attn.weight")), None)
-        shape = tuple(source.info(c_attn).shape) if c_attn else ()
-        self.conv1d = len(shape) == 2 and shape[1] == 3 * shape[0]
+        from zerodp.convert.source import names_layout
+        from zerodp.errors import CheckpointError
+        from zerodp.models import hf
 
-    def _stored(self, name: str) -> str:
-        candidates = [name, self.aliases.get(name)]
-        if name.startswith("transformer."):
-            candidates.append(name[len("transformer."):])  # Hugging Face GPT2Model naming
-        for c in candidates:
-            if c in self.names:
-                return c
+        if source.meta.get("hf_config_error"):  # an HF folder of a model zerodp cannot run
+            raise CheckpointError(source.meta["hf_config_error"])
+        self.source = source
+        stored_names = source.param_names()
+        layout = names_layout(source)
+        family = (source.meta.get("config") or {}).get("model", {}).get("arch") or hf.family_of_names(stored_names)
+        # model name -> (stored name, transform): the table read backwards for HF weights, else the identity
+        self.stored: dict[str, tuple[str, str | None]] = {}
+        for n in stored_names:
+            if layout == "hf" and family:
+                if hf.is_buffer(family, n):
+                    continue
+                hit = hf.from_hf(family, n)
+                self.stored[hit[0] if hit else n] = (n, hit[1]) if hit else (n, None)
+            else:
+                self.stored[n] = (n, None)
+        model_name = {s: m for m, (s, _) in self.stored.items()}
+        tied = {model_name.get(a, a): model_name.get(s, s) for a, s in source.tied().items()}
+        self._tied = tied
+        self.aliases = {**tied, **{stored: alias for alias, stored in tied.items()}}
+        self.names = set(self.stored)
+        self.with_optimizer = with_optimizer and all(source.has(s, "exp_avg") for s, _ in self.stored.values())
+
+    def _stored(self, name: str) -> tuple[str, str | None]:
+        for c in (name, self.aliases.get(name)):
+            if c in self.stored:
+                return self.stored[c]
         from zerodp.errors import CheckpointError
 
         raise CheckpointError(f"{self.source.path} has no parameter {name!r} (it has {len(self.names)}, e.g. "
                               f"{sorted(self.names)[:3]}); the model config must describe the checkpoint's model")
 
-    # Names a checkpoint may hold that are not parameters (Hugging Face GPT-2's causal-mask buffers).
-    NOT_PARAMS = (".attn.bias", ".attn.masked_bias")
+    def param_names(self) -> list[str]:
+        """The source's parameters by the model's names (a tied alias not listed), in the source's order."""
+        return list(self.stored)
+
+    def tied(self) -> dict[str, str]:
+        """{alias: stored name} of the source's tied weights, by the model's names."""
+        return dict(self._tied)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """`name`'s shape in the model's layout, read from the source's header (no tensor data)."""
+        from zerodp.models.hf import transposed
+
+        stored, transform = self._stored(name)
+        return transposed(self.source.info(stored).shape, transform)
+
+    def source_dtype(self, name: str) -> torch.dtype:
+        return self.source.info(self._stored(name)[0]).dtype
+
+    def has(self, name: str, kind: str) -> bool:
+        return self.source.has(self._stored(name)[0], kind)
 
     def mismatch(self, shapes: dict[str, tuple]) -> str | None:
         """Why the source cannot fill a model with these parameter `shapes` (None when it can): names
@@ -162,17 +193,15 @@ class FullState:
         used, missing, wrong = set(), [], []
         for name, shape in shapes.items():
             try:
-                stored = self._stored(name)
+                stored, _ = self._stored(name)
             except CheckpointError:
                 missing.append(name)
                 continue
             used.add(stored)
-            have = tuple(self.source.info(stored).shape)
-            if self.conv1d and name.endswith(self.CONV1D):
-                have = have[::-1]
+            have = self.shape(name)
             if have != tuple(shape):
                 wrong.append(f"{name} is {list(have)} there, {list(shape)} here")
-        extra = sorted(n for n in self.names - used if n not in self.aliases and not n.endswith(self.NOT_PARAMS))
+        extra = sorted(m for m, (s, _) in self.stored.items() if s not in used and m not in self.aliases)
         parts = []
         if missing:
             parts.append(f"{len(missing)} of this model's parameters are missing there (e.g. {missing[0]})")
@@ -183,9 +212,12 @@ class FullState:
         return "; ".join(parts) or None
 
     def get(self, name: str, kind: str, shape) -> torch.Tensor:
-        t = self.source.get(self._stored(name), kind).float()
-        if self.conv1d and name.endswith(self.CONV1D):
-            t = t.t().contiguous()  # Conv1D keeps (in, out); nn.Linear (out, in)
+        from zerodp.models.hf import TRANSPOSE
+
+        stored, transform = self._stored(name)
+        t = self.source.get(stored, kind).float()
+        if transform == TRANSPOSE:
+            t = t.t().contiguous()  # HF's Conv1D keeps (in, out); nn.Linear (out, in)
         if tuple(t.shape) != tuple(shape):
             from zerodp.errors import CheckpointError
 
@@ -194,7 +226,7 @@ class FullState:
         return t
 
     def step(self, name: str) -> float:
-        s = self.source.step(self._stored(name))
+        s = self.source.step(self._stored(name)[0])
         return float(s) if s is not None else 0.0
 
 

@@ -1,4 +1,7 @@
-"""The reference every strategy must match: one process, plain torch.optim.AdamW, the global batch."""
+"""The reference every strategy must match: one process, plain torch.optim.AdamW, the global batch.
+
+LLAMA: the overrides (on top of conftest's TINY) of the small llama the strategy tests train: 2 layers,
+4 query heads sharing 2 key/value heads (GQA), SwiGLU width 64, an untied head."""
 
 from __future__ import annotations
 
@@ -6,14 +9,17 @@ import torch
 
 from zerodp.config import Config, lr_at
 from zerodp.data import TokenBatches, load_tokens
-from zerodp.models import GPT
+from zerodp.models import build_model
 from zerodp.optim import param_groups
+
+LLAMA = ["model.arch=llama", "model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.n_kv_head=2",
+         "model.intermediate_size=64", "model.tie_embeddings=false"]
 
 
 def reference_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train on the full global batch of every step in one forward/backward; return losses and weights."""
     torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model)
+    model = build_model(cfg.model)
     o = cfg.optim
     opt = torch.optim.AdamW(param_groups(model, cfg), lr=lr_at(cfg, 0), betas=(o.beta1, o.beta2), eps=o.eps)
     data = TokenBatches(load_tokens(cfg), cfg, "train")

@@ -6,13 +6,16 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.reference import reference_run
+from tests.reference import LLAMA, reference_run
 from zerodp.config import load_config
 from zerodp.data import TokenBatches, load_tokens
 from zerodp.models import GPT
 
-# (saved by, on, resumed by, on)
-MOVES = [("zero2", 2, "fsdp", 1), ("fsdp", 2, "zero3", 3), ("ddp", 1, "zero1", 2), ("zero3", 2, "ddp", 2)]
+# (model, saved by, on, resumed by, on); each world size is one launch per phase, the llama rides along
+# (with activation checkpointing: recomputation must not change what is saved or resumed)
+MOVES = [("gpt2", "zero2", 2, "fsdp", 1), ("gpt2", "fsdp", 2, "zero3", 3), ("gpt2", "ddp", 1, "zero1", 2),
+         ("gpt2", "zero3", 2, "ddp", 2), ("llama", "zero3", 2, "fsdp", 3)]
+MODELS = {"gpt2": [], "llama": LLAMA + ["model.activation_checkpointing=true"]}
 
 
 def base(tiny):
@@ -21,29 +24,32 @@ def base(tiny):
 
 
 def test_resume_across_strategies_and_world_sizes(tiny, tmp_path):
-    over = base(tiny)
-    ref_losses, ref_weights = reference_run(load_config(None, over))
+    over = {model: base(tiny) + arch for model, arch in MODELS.items()}
+    refs = {model: reference_run(load_config(None, o)) for model, o in over.items()}
     first = {}
-    for src, world, _, _ in MOVES:
-        first.setdefault(world, []).append(
-            {"overrides": over + [f"strategy.name={src}", "train.max_steps=3", f"train.out_dir={tmp_path / src}"]})
+    for model, src, world, _, _ in MOVES:
+        first.setdefault(world, []).append({"overrides": over[model] + [
+            f"strategy.name={src}", "train.max_steps=3", f"train.out_dir={tmp_path / f'{model}-{src}'}"]})
     for world, runs in first.items():
         run_distributed("tests.workers:train_runs", world, {"runs": runs})
     second = {}
-    for src, _, dst, world in MOVES:
-        second.setdefault(world, []).append(
-            {"overrides": over + [f"strategy.name={dst}", f"train.out_dir={tmp_path / src}"], "fresh": False})
+    for model, src, _, dst, world in MOVES:
+        second.setdefault(world, []).append({"overrides": over[model] + [
+            f"strategy.name={dst}", f"train.out_dir={tmp_path / f'{model}-{src}'}"], "fresh": False})
     results = {}
     for world, runs in second.items():
         for run, got in zip(runs, run_distributed("tests.workers:train_runs", world, {"runs": runs})[0]):
             results[run["overrides"][-1]] = got
     report = []
-    for src, w1, dst, w2 in MOVES:
-        got = results[f"train.out_dir={tmp_path / src}"]
+    for model, src, w1, dst, w2 in MOVES:
+        ref_losses, ref_weights = refs[model]
+        got = results[f"train.out_dir={tmp_path / f'{model}-{src}'}"]
         assert got["strategy"] == dst and len(got["losses"]) == 3
+        assert got["weights"].keys() == ref_weights.keys()
         loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref_losses[3:]))
         weight_diff = max((got["weights"][k] - ref_weights[k]).abs().max().item() for k in ref_weights)
-        report.append(f"{src}@{w1} -> {dst}@{w2}: max |loss diff| {loss_diff:.1e}, max |param diff| {weight_diff:.1e}")
+        report.append(f"{model} {src}@{w1} -> {dst}@{w2}: max |loss diff| {loss_diff:.1e}, "
+                      f"max |param diff| {weight_diff:.1e}")
         assert loss_diff < 1e-5 and weight_diff < 1e-5, report[-1]
     print("\n".join(report))
 

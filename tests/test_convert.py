@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tests.harness import run_distributed
 from zerodp import checkpoint
 from zerodp.convert import open_checkpoint, parse_size, write_safetensors, write_zerodp
-from zerodp.convert.cli import main
+from zerodp.cli import main
 from zerodp.errors import CheckpointError
 
 

@@ -421,7 +421,7 @@ def test_bad_input_messages(argv, message):
 
 
 def test_planning_imports_neither_torch_nor_deepspeed():
-    code = ("import sys\nfrom zerodp.planner.cli import main\n"
+    code = ("import sys\nfrom zerodp.cli import main\n"
             "assert main(['plan', '--model', 'llama2-7b', '--gpus', '8', '--hbm', '80GB', '--json']) == 0\n"
             "from zerodp.planner import plan_for_training\nfrom zerodp.config import Config\n"
             "plan_for_training(Config(), 2, 10**10)\n"
@@ -442,7 +442,7 @@ def test_zerodp_plan_entry_point_imports_no_torch():
 
 
 def test_module_cli_errors_are_one_line_and_exit_2():
-    r = subprocess.run([sys.executable, "-m", "zerodp.planner.cli", "plan", "--model", "gpt3"],
+    r = subprocess.run([sys.executable, "-m", "zerodp", "plan", "--model", "gpt3"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("zerodp: error: unknown model 'gpt3'") and r.stderr.count("\n") == 1

@@ -110,17 +110,17 @@ def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict
 
 def find_resumable_shared(out_dir: str) -> dict:
     """Run the collective resume lookup; report what it found and which files this rank hashed."""
-    from zerodp import checkpoint
+    from zerodp import checkpoint, manifest
 
-    real, hashed = checkpoint.sha256_file, []
+    real, hashed = manifest.sha256_file, []
 
     def recording(path):
         hashed.append(str(Path(path).relative_to(out_dir)))
         return real(path)
 
-    checkpoint.sha256_file = recording
+    manifest.sha256_file = recording
     try:
         found = checkpoint.find_resumable(out_dir)
     finally:
-        checkpoint.sha256_file = real
+        manifest.sha256_file = real
     return {"found": str(found), "hashed": hashed}

@@ -52,7 +52,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     `model(idx)` returns logits of shape (B, T, vocab); `model.generate(idx, n)` samples."""
     from zerodp.convert import open_checkpoint
     from zerodp.models import build_model
-    from zerodp.strategies.common import FullState
+    from zerodp.convert.full_state import FullState
 
     with open_checkpoint(path) as source:
         cfg = config if config is not None else model_config_of(source)

@@ -15,7 +15,6 @@ for a checkpoint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -32,8 +31,7 @@ from safetensors.torch import load_file, save_file
 from zerodp.dist import broadcast_object
 from zerodp.errors import CheckpointError
 
-FORMAT_VERSION = 1
-META = "meta.json"
+from zerodp.manifest import FORMAT_VERSION, META, sha256_file, verify  # noqa: F401  (part of this API)
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
@@ -62,14 +60,6 @@ def set_aside(ckpt: Path, reason: str) -> Path:
     os.replace(ckpt, target)
     print(f"zerodp: warning: checkpoint {ckpt.name} is damaged ({reason}); set aside as {target}", file=sys.stderr)
     return target
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_tree(root: Path, files: list[Path]) -> None:
@@ -235,33 +225,6 @@ def _apply_retention(root: Path, keep_last: int, current: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def verify(ckpt: Path, deep: bool = True, share: tuple[int, int] = (0, 1)) -> str | None:
-    """Return None if `ckpt` is complete and intact, else the reason it is not (naming the file).
-
-    Every file's presence and size are checked; with `deep`, the sha256 of the files in this
-    `share` = (index, count) of the sorted manifest, so that `count` ranks together hash each file once."""
-    meta_path = ckpt / META
-    if not meta_path.is_file():
-        return f"{ckpt} has no {META} (an interrupted save)"
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        return f"{meta_path} is not valid JSON ({e})"
-    files = sorted(meta.get("files", {}).items())
-    for rel, info in files:
-        p = ckpt / rel
-        if not p.is_file():
-            return f"{p} is missing"
-        if p.stat().st_size != info["bytes"]:
-            return f"{p} has {p.stat().st_size} bytes, {info['bytes']} were saved (truncated or overwritten)"
-    if deep:
-        index, count = share
-        for rel, info in files[index::count]:
-            if sha256_file(ckpt / rel) != info["sha256"]:
-                return f"{ckpt / rel} fails its sha256 check (corrupted)"
-    return None
-
-
 @dataclass
 class ResumePoint:
     """What `resume_point` found: the newest intact checkpoint (or None) and the damaged ones skipped."""
@@ -330,7 +293,7 @@ def check_model(path: str | Path, model_cfg: dict, shapes: dict[str, tuple]) -> 
     differing key, then the parameter names and shapes. Keys left null on either side count as their
     family's default. Reads metadata only (headers, manifests), no tensor data."""
     from zerodp.convert import open_checkpoint
-    from zerodp.strategies.common import FullState
+    from zerodp.convert.full_state import FullState
 
     with open_checkpoint(path) as source:
         state = FullState(source, with_optimizer=True)
@@ -373,7 +336,7 @@ def load(strategy, ckpt: Path, world_size: int) -> dict:
         strategy.load(ckpt)
     else:
         from zerodp.convert import open_checkpoint
-        from zerodp.strategies.common import FullState
+        from zerodp.convert.full_state import FullState
 
         with open_checkpoint(ckpt) as source:
             strategy.load_full(FullState(source, with_optimizer=True))
@@ -393,7 +356,7 @@ def load(strategy, ckpt: Path, world_size: int) -> dict:
 def init_from(strategy, path: str) -> None:
     """Collective: start from pretrained weights (any format zerodp.convert reads); fresh optimizer."""
     from zerodp.convert import open_checkpoint
-    from zerodp.strategies.common import FullState
+    from zerodp.convert.full_state import FullState
 
     with open_checkpoint(path) as source:
         strategy.load_full(FullState(source, with_optimizer=False))

@@ -1,13 +1,12 @@
 """`zerodp convert SRC DST` and `zerodp inspect PATH`.
 
 Wired into zerodp/cli.py by `add_convert_parser(sub)` and `add_inspect_parser(sub)`; each sets
-`func(args) -> int`. `python -m zerodp.convert.cli {convert,inspect} ...` runs them standalone with
-the same error handling as `zerodp` (UserError: one line on stderr, exit 2).
+`func(args) -> int`; zerodp/cli.py turns a UserError into one line on stderr and exit 2. This module
+never imports zerodp.cli (no import circle): run it as `zerodp convert|inspect` or `python -m zerodp`.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 
 from zerodp.errors import UserError
@@ -99,14 +98,3 @@ def run_inspect(args) -> int:
     lines, ok = inspect_checkpoint(args.path)
     print("\n".join(lines))
     return 0 if ok else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m zerodp.convert.cli {convert,inspect} ...`: the same as `zerodp convert|inspect ...`."""
-    from zerodp.cli import main as zerodp_main
-
-    return zerodp_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

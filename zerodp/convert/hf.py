@@ -4,7 +4,7 @@ Hugging Face config.json beside them, a model folder (gpt2, llama, mistral, qwen
 Weights only. Ties are read from our own metadata (`zerodp.tied`) when present, else from config.json's
 tie_word_embeddings; an HF file that simply omits a tied head (GPT-2's lm_head) has nothing to record.
 Which names and layouts the tensors are in ("hf" or "zerodp", `meta["names"]`) comes from our own
-metadata (`zerodp.layout`) when present; zerodp.strategies.common.FullState guesses otherwise. A
+metadata (`zerodp.layout`) when present; zerodp.convert.full_state.FullState guesses otherwise. A
 config.json gives `meta["config"]["model"]` (zerodp's model keys, so a model check compares settings
 as for a zerodp checkpoint) and `meta["hf_config"]`.
 """

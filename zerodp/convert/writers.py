@@ -5,7 +5,7 @@ All stream: tensors are fetched from the source one at a time and written straig
 whose header was laid out first, so memory holds about one tensor whatever the model size. Both
 write through zerodp.safe_output: DST never overlaps what the source reads, only an earlier output
 of the same target is replaced (`check_destination`), and only once the new one is complete. The
-Hugging Face and zerodp targets read the source through zerodp.strategies.common.FullState, so both
+Hugging Face and zerodp targets read the source through zerodp.convert.full_state.FullState, so both
 write their own names and layouts whatever the source's (zerodp/models/hf.py holds the mapping).
 """
 
@@ -213,7 +213,7 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     from zerodp.config import ModelConfig
     from zerodp.models.arch import arch_of
     from zerodp.models.hf import hf_config_from_model, to_hf, transposed
-    from zerodp.strategies.common import FullState
+    from zerodp.convert.full_state import FullState
 
     dst = Path(dst)
     model = model or (source.meta.get("config") or {}).get("model")
@@ -270,8 +270,8 @@ def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = N
 
 
 def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | None, progress: bool) -> None:
-    from zerodp.checkpoint import FORMAT_VERSION, sha256_file
-    from zerodp.strategies.common import FullState
+    from zerodp.manifest import FORMAT_VERSION, sha256_file
+    from zerodp.convert.full_state import FullState
 
     state = FullState(source, with_optimizer=False)  # the model's names and layouts, whatever the source's
     names = state.param_names()

@@ -122,6 +122,6 @@ class ZerodpSource(CheckpointSource):
         return [self.path / META] + [self.path / rel for rel in self.meta.get("files", {})]
 
     def verify(self, deep: bool = True) -> str | None:
-        from zerodp.checkpoint import verify
+        from zerodp.manifest import verify
 
         return verify(self.path, deep=deep)

@@ -6,9 +6,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import importlib
 
-from zerodp.config import ModelConfig
+if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.hf, never the reverse
+    from zerodp.config import ModelConfig
+
 from zerodp.models.arch import Arch, arch_of
 
 # family -> (module, class). Imported on use: the planner reads zerodp.models.arch without torch.

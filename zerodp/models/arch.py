@@ -211,3 +211,17 @@ def arch_of(model_cfg) -> Arch:
                 block_size=m.block_size, bias=gpt2 if m.bias is None else bool(m.bias), qkv_bias=m.qkv_bias,
                 tied=gpt2 if m.tie_embeddings is None else bool(m.tie_embeddings), norm_eps=m.norm_eps,
                 rope_theta=m.rope_theta, rope_scaling=dict(m.rope_scaling or {}))
+
+
+# ModelConfig's defaults for the keys a model section may lack (checkpoints saved before a key existed);
+# tests/test_model.py pins that they equal zerodp.config.ModelConfig's.
+SECTION_DEFAULTS = {"arch": "gpt2", "n_kv_head": None, "head_dim": None, "intermediate_size": None, "bias": None,
+                    "qkv_bias": False, "tie_embeddings": None, "norm_eps": 1e-5, "rope_theta": 10000.0,
+                    "rope_scaling": {}, "dropout": 0.0, "block_size": 128}
+
+
+def arch_from_section(model: dict) -> Arch:
+    """The Arch of a model section as a checkpoint records it (a dict, as in meta.json)."""
+    from types import SimpleNamespace
+
+    return arch_of(SimpleNamespace(**{**SECTION_DEFAULTS, **model}))

@@ -7,13 +7,17 @@ it: strategies wrap it from outside (DDP, DeepSpeed engine, fully_shard per `mod
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerodp.config import ModelConfig
+if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.hf, never the reverse
+    from zerodp.config import ModelConfig
+
 from zerodp.models.arch import arch_of
 from zerodp.models.common import DecoderLM
 

@@ -239,11 +239,9 @@ def hf_config_from_model(model: dict, dtype: str = "float32", max_positions: int
     """The config.json of an export of the model a zerodp `model` section (a dict, as in meta.json)
     describes; UserError for a model HF's classes cannot express. `max_positions`: a llama-family
     model's max_position_embeddings (default: its block_size)."""
-    from zerodp.config import ModelConfig
-    from zerodp.models.arch import arch_of
+    from zerodp.models.arch import arch_from_section
 
-    known = {k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}
-    a = arch_of(ModelConfig(**known))
+    a = arch_from_section(model)
     common = {"vocab_size": a.vocab_size, "tie_word_embeddings": a.tied, "torch_dtype": dtype,
               "bos_token_id": None, "eos_token_id": None, "use_cache": True}
     dropout = float(model.get("dropout") or 0.0)

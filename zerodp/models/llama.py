@@ -8,13 +8,17 @@ materialise."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerodp.config import ModelConfig
+if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.hf, never the reverse
+    from zerodp.config import ModelConfig
+
 from zerodp.errors import ConfigError
 from zerodp.models.arch import Arch, arch_of
 from zerodp.models.common import DecoderLM

@@ -1,14 +1,13 @@
 """`zerodp plan`: will it fit, and how should I run it?
 
-zerodp/cli.py registers the subcommand with `add_parser(subparsers)` and calls `run(args)`;
-`python -m zerodp.planner.cli plan ...` is the same command. Imports neither torch nor deepspeed.
+zerodp/cli.py registers the subcommand with `add_parser(subparsers)` and calls `run(args)`; this module
+never imports zerodp.cli (no import circle). Imports neither torch nor deepspeed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from zerodp.errors import UserError
 from zerodp.planner.choose import choose
@@ -167,14 +166,3 @@ def run(args) -> int:
     plan = build(args)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
     return 0
-
-
-def main(argv=None) -> int:
-    """`python -m zerodp.planner.cli plan ...`: the same as `zerodp plan ...`."""
-    from zerodp.cli import main as zerodp_main
-
-    return zerodp_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -148,6 +148,25 @@ def read_hf_config(path: str | Path, what: str = "model.hf_config") -> tuple[dic
     return raw, p
 
 
+REQUIRED = object()
+
+
+def config_int(raw: dict, key: str, *alts: str, default=REQUIRED, where: str, kind: str) -> int:
+    """A positive integer from a config.json: the first of `key`/`alts` set, else `default`; UserError
+    when it is required and absent, or not a positive integer. The planner reads its families with it too."""
+    for k in (key, *alts):
+        if raw.get(k) is not None:
+            value = raw[k]
+            break
+    else:
+        if default is REQUIRED:
+            raise UserError(f"{where}: the {kind} config lacks {key!r}; is it the model's config.json?")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise UserError(f"{where}: {key}={value!r} must be a positive integer")
+    return value
+
+
 def model_config_from_hf(raw: dict, where: str = "config.json", block_size: int | None = None) -> dict:
     """The `model.*` keys (arch and every dimension) of a Hugging Face config.json's object, or a
     one-line UserError for what zerodp cannot run exactly (another model_type, biases it lacks, another
@@ -160,18 +179,8 @@ def model_config_from_hf(raw: dict, where: str = "config.json", block_size: int 
     if kind not in SUPPORTED:
         raise UserError(f"{where}: model_type {kind!r} is not supported; zerodp reads {', '.join(SUPPORTED)}")
 
-    def get(key: str, *alts: str, default=None, positive=True):
-        for k in (key, *alts):
-            if raw.get(k) is not None:
-                value = raw[k]
-                break
-        else:
-            if default is None:
-                raise UserError(f"{where}: the {kind} config lacks {key!r}; is it the model's config.json?")
-            value = default
-        if positive and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise UserError(f"{where}: {key}={value!r} must be a positive integer")
-        return value
+    def get(key: str, *alts: str, default=REQUIRED):
+        return config_int(raw, key, *alts, default=default, where=where, kind=kind)
 
     def refuse(what: str, why: str) -> UserError:
         return UserError(f"{where}: {what}; {why}")

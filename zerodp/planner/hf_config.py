@@ -20,6 +20,7 @@ from pathlib import Path
 
 from zerodp.errors import UserError
 from zerodp.models.arch import Arch
+from zerodp.models.hf import REQUIRED, config_int
 from zerodp.models.hf import read_hf_config as _read
 
 SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "mixtral", "qwen2_moe")
@@ -42,7 +43,6 @@ _DEFAULTS = {
                   "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True},
 }
 
-_REQUIRED = object()
 
 
 def read_hf_config(path: str) -> tuple[dict, Path]:
@@ -58,25 +58,14 @@ def arch_from_hf(raw: dict, where: str = "--hf-config") -> Arch:
                         f"{', '.join(SUPPORTED)} configs (for others use --params with --layers/--hidden)")
     given = {**_DEFAULTS.get(kind, {}), **raw}
 
-    def get(key: str, fallback=_REQUIRED, *alts: str) -> int:
-        """A positive integer: the first of key/alts set, else `fallback`; UserError when required."""
-        for k in (key, *alts):
-            if given.get(k) is not None:
-                value = given[k]
-                break
-        else:
-            if fallback is _REQUIRED:
-                raise UserError(f"{where}: {kind} config lacks {key!r}; is it the model's config.json?")
-            return fallback
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UserError(f"{where}: {key}={value!r} must be a positive integer")
-        return value
+    def get(key: str, fallback=REQUIRED, *alts: str) -> int:
+        return config_int(given, key, *alts, default=fallback, where=where, kind=kind)
 
     tied = bool(given.get("tie_word_embeddings", False))
     if kind == "gpt2":
         h, heads = get("n_embd"), get("n_head")
         return Arch("gpt2", n_layer=get("n_layer"), n_embd=h, n_head=heads, n_kv_head=heads, head_dim=h // heads,
-                    ffn=get("n_inner", 4 * h), vocab_size=get("vocab_size"), block_size=get("n_positions", _REQUIRED,
+                    ffn=get("n_inner", 4 * h), vocab_size=get("vocab_size"), block_size=get("n_positions", REQUIRED,
                     "n_ctx"), bias=True, qkv_bias=False, tied=tied)
 
     h, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")

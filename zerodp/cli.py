@@ -63,6 +63,12 @@ def _run_train(args) -> int:
 
     summary = train(cfg, fresh=args.fresh)
     shutdown()  # only after success: with a dead peer, teardown itself could block
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A gloo thread still finishing could abort interpreter finalisation ("terminate called without
+        # an active exception", seen once in a preempted 2-rank run even after shutdown): leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(summary["exit_code"])
     return summary["exit_code"]
 
 

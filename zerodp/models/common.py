@@ -16,6 +16,24 @@ class DecoderLM(nn.Module):
     arch: object
     """Its `zerodp.models.arch.Arch`: names, shapes and counts."""
 
+    RESIDUAL_PROJECTIONS: tuple[str, ...] = ()
+    """Name suffixes of the weights that write into the residual stream."""
+
+    def reset_parameters(self) -> None:
+        """GPT-2's init for every family: N(0, 0.02) matrices, the residual projections scaled by
+        1/sqrt(2 * n_layer); norm weights 1, biases 0."""
+        import math
+
+        for name, p in self.named_parameters():
+            if name.endswith(self.RESIDUAL_PROJECTIONS):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.arch.n_layer))
+            elif p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:  # LayerNorm / RMSNorm weight
+                nn.init.ones_(p)
+
     def tied_weights(self) -> dict[str, str]:
         """alias -> stored name for weights shared by two modules (the tied head), as checkpoints record."""
         return self.arch.tied_weights()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +70,8 @@ class Block(nn.Module):
 
 
 class GPT(DecoderLM):
+    RESIDUAL_PROJECTIONS = ("c_proj.weight",)  # attn.c_proj and mlp.c_proj
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -88,18 +89,6 @@ class GPT(DecoderLM):
             self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         if self.transformer.wte.weight.device.type != "meta":
             self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.arch.n_layer))
-            elif p.dim() >= 2:
-                nn.init.normal_(p, 0.0, 0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:  # LayerNorm weight
-                nn.init.ones_(p)
 
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks: the unit of activation checkpointing and of FSDP sharding."""

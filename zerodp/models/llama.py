@@ -118,6 +118,8 @@ class Block(nn.Module):
 
 
 class Llama(DecoderLM):
+    RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -133,19 +135,6 @@ class Llama(DecoderLM):
         self._rope: tuple | None = None
         if self.model.embed_tokens.weight.device.type != "meta":
             self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """N(0, 0.02) matrices, the residual projections (o_proj, down_proj) scaled by 1/sqrt(2 * n_layer);
-        RMSNorm weights 1, biases 0."""
-        for name, p in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.arch.n_layer))
-            elif p.dim() >= 2:
-                nn.init.normal_(p, 0.0, 0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.ones_(p)
 
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks: the unit of activation checkpointing and of FSDP sharding."""

@@ -92,7 +92,9 @@ def _row(model: ModelSpec, base: Layout, requested: Optional[bool]) -> MemoryEst
     if requested is not None:
         return estimate(model, dataclasses.replace(base, activation_checkpointing=requested))
     off = estimate(model, base)
-    return off if off.fits else estimate(model, dataclasses.replace(base, activation_checkpointing=True))
+    if off.fits or (off.total_bytes <= off.usable_bytes and off.cpu_fits is not False):
+        return off  # fits, or only its start-up peak does not: checkpointing shrinks activations alone
+    return estimate(model, dataclasses.replace(base, activation_checkpointing=True))
 
 
 def choose(model: ModelSpec, cluster: Cluster, workload: Workload,
@@ -146,20 +148,51 @@ def _reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
         out.append(f"Nothing fits on {_where(plan.cluster)} ({MARGIN:.0%} of memory kept free).")
     for r in plan.estimates:
         if chosen is None or r.name != chosen.name:
-            out.append(f"{r.name}: {_why_not(r, chosen)}")
+            out.append(f"{r.name}: {_why_not(r, chosen, plan.cluster)}")
     return out
 
 
-def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate]) -> str:
+def _startup_device(r: MemoryEstimate) -> str:
+    """What the row holds on the GPU at its start-up peak (memory.startup_states), in words."""
+    master = "" if r.offload_optimizer else " and the fp32 master partition"
+    return {
+        "single": "fp32 parameters, 4P",
+        "ddp": "fp32 parameters and DDP's gradient buckets, 8P",
+        "zero1": f"the 16-bit module{master}",
+        "zero2": f"the 16-bit module{master}",
+        "zero3": f"16-bit partitions while flattened{master}, one module created in fp32",
+        "fsdp": "fp32 shards, 4P/N",
+    }[r.strategy]
+
+
+def _startup_host(r: MemoryEstimate, cluster: Cluster) -> str:
+    if not cluster.gpu.cuda:
+        return "every rank's start-up peak, the device being host memory"
+    parts = ["one fp32 checkpoint tensor being loaded per rank"]
+    if r.strategy in ("zero1", "zero2"):
+        parts.append("DeepSpeed staging each rank's 16-bit module to flatten it")
+    if r.offload_optimizer or r.offload_params:
+        parts.append("the states offloaded from the start")
+    return ", ".join(parts)
+
+
+def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], cluster: Cluster) -> str:
     if r.cpu_fits is False:
         return (f"needs {gb(r.cpu_bytes_per_node)} of CPU RAM per node for offloaded states, "
                 f"more than --cpu-ram allows.")
-    if not r.fits:
+    if r.total_bytes > r.usable_bytes:
         big = max((r.model_states_bytes, "model states"), (r.activations_bytes, "activations"),
                   (r.gathered_bytes, "gathered layers"),
                   (r.unsharded_grads_bytes, "unsharded gradients kept while accumulating"))
         return (f"does not fit: needs {gb(r.total_bytes)} per GPU ({big[1]} {gb(big[0])}), "
                 f"over the {gb(r.usable_bytes)} usable.")
+    if r.startup_bytes > r.usable_bytes:
+        return (f"does not fit at start-up: start-up peak {gb(r.startup_bytes)} per GPU "
+                f"({_startup_device(r)}) > {gb(r.usable_bytes)} usable, though training "
+                f"would then need {gb(r.total_bytes)}.")
+    if r.startup_host_fits is False:
+        return (f"does not fit at start-up in host RAM: start-up peak {gb(r.startup_host_bytes_per_node)} of "
+                f"host RAM per node ({_startup_host(r, cluster)}) > {gb(cluster.cpu_ram_bytes)} per node.")
     fits = f"fits ({gb(r.total_bytes)})"
     slower = f"{seconds(r.step_s)} per step vs {seconds(chosen.step_s)}"
     if (r.offload_optimizer or r.offload_params) and not (chosen.offload_optimizer or chosen.offload_params):
@@ -234,5 +267,11 @@ def _suggest(model: ModelSpec, cluster: Cluster, workload: Workload, requested: 
     if requested is False and (c := _min_gpus(model, cluster, workload, True)):
         return (f"No number of GPUs fits without activation checkpointing; with it on "
                 f"(--activation-checkpointing on), {sharded} fits on {_gpus(c)}.")
+    huge = estimate(model, Layout(sharded, dataclasses.replace(cluster, nodes=1 << 14), workload,
+                                  activation_checkpointing=ac))
+    if huge.startup_host_fits is False:  # what no number of GPUs divides: one checkpoint tensor per rank
+        return (f"No number of GPUs helps: at start-up each node needs {gb(huge.startup_host_bytes_per_node)} "
+                f"of host RAM (loading a checkpoint reads one full fp32 tensor per rank), more than "
+                f"{gb(cluster.cpu_ram_bytes)}; give the node more RAM (--cpu-ram) or fewer ranks per node.")
     return ("No number of GPUs helps: activations and gathered layers alone exceed the memory; "
             "reduce --micro-batch or --seq-len.")

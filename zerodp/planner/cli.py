@@ -50,7 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     h.add_argument("--gpu", metavar="NAME",
                    help=f"GPU preset for memory and peak FLOPs: {', '.join(GPUS)} (default h100)")
     h.add_argument("--hbm", metavar="SIZE", help="memory per GPU, e.g. 80GB (80e9 bytes) or 80GiB; overrides --gpu's")
-    h.add_argument("--cpu-ram", metavar="SIZE", help="CPU memory per node for offloaded states, e.g. 512GB")
+    h.add_argument("--cpu-ram", metavar="SIZE",
+                   help="CPU memory per node, for offloaded states and the start-up peak, e.g. 512GB")
     h.add_argument("--interconnect", metavar="LINK", help=f"slowest link of the ring: {', '.join(INTERCONNECTS)} "
                    "(default nvlink on one node, infiniband across nodes)")
     h.add_argument("--mfu", type=float, default=MFU, help=f"model FLOPs utilisation assumed (default {MFU})")

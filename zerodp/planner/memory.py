@@ -96,7 +96,17 @@ class MemoryEstimate:
     """States this GPU's rank keeps in CPU memory."""
     cpu_bytes_per_node: int
     cpu_fits: Optional[bool]
+    startup_bytes: int
+    """Start-up peak on this GPU, from building the model to the first step (overhead included, as in
+    total_bytes): what the engine materialises plus its transients (docs/memory_model.md, "Start-up")."""
+    startup_host_bytes_per_node: int
+    """Start-up peak in host RAM per node: a checkpoint tensor being loaded, DeepSpeed zero1/2 staging its
+    16-bit groups, states offloaded from the start; on a CPU device, every rank's start-up peak."""
+    startup_host_fits: Optional[bool]
+    """startup_host_bytes_per_node within the cluster's cpu_ram_bytes; None when that is not known."""
     fits: bool
+    """total_bytes and startup_bytes within usable_bytes, and the CPU side (offloaded states, start-up
+    host peak) within cpu_ram_bytes where that is known."""
     comm_bytes: int
     """Bytes each GPU sends per optimizer step (ring collectives)."""
     compute_s: float
@@ -204,6 +214,33 @@ def comm_bytes(params: int, layout: Layout) -> tuple[int, int]:
     return int(3 * one * acc), 0
 
 
+def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
+    """(device, host) bytes one rank holds at its start-up peak, overhead left out. Every strategy builds
+    the model on the meta device and materialises only what the rank keeps, initialised in chunks of
+    its own range (negligible); loading a checkpoint reads one full fp32 tensor at a time into host
+    memory (4 * largest_param, counted for every row: a run may resume). docs/memory_model.md, "Start-up"."""
+    P, n, s, w = model.params, layout.cluster.world_size, layout.strategy, layout.workload
+    c, shard = COMPUTE_BYTES[w.precision], math.ceil(model.params / layout.cluster.world_size)
+    oo, op, load = layout.offload_optimizer, layout.offload_params, 4 * model.largest_param
+    master = 4 * shard  # DeepSpeed's fp32 master partition
+    if s == "single":
+        return 4 * P, load
+    if s == "ddp":  # the reducer allocates its fp32 flat buckets when it wraps the model
+        return 8 * P, load
+    if s == "fsdp":  # fully_shard on the meta model, then to_empty: fp32 shards only (CPUOffloadPolicy: on host)
+        return (0, load + 4 * shard) if oo or op else (4 * shard, load)
+    if s in ("zero1", "zero2"):  # module built in the compute dtype; groups flattened through host RAM
+        return c * P + (0 if oo else master), load + c * P + (master if oo else 0)
+    # zero3: partitions made as zero.Init creates each module (in fp32, then cast), then copied while
+    # flattened; in fp32 the flat partition is the master (no copy). An upper bound: the module being
+    # created and the flattening copy are counted together although they come one after the other.
+    part = 0 if op else c * shard
+    dev_master = 0 if oo or w.precision == "fp32" else master
+    created = 4 * max(model.largest_block_params, model.largest_param)
+    host = (c * shard if op else 0) + (master if oo and not (op and w.precision == "fp32") else 0)
+    return max(2 * part, part + dev_master) + created, load + host
+
+
 def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     """Per-GPU memory and predicted step time of running `model` as `layout` says. Memory, traffic and
     the optimizer step use every parameter (`model.params`); compute uses `model.active_params`."""
@@ -238,6 +275,12 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     usable = int(c.gpu.hbm_bytes * (1 - MARGIN))
     cpu_node = offloaded * c.gpus_per_node
     cpu_fits = None if not offloaded or c.cpu_ram_bytes is None else cpu_node <= c.cpu_ram_bytes
+    start_dev, start_host = startup_states(model, layout)
+    if not c.gpu.cuda:  # CPU ranks: the device is host memory, so its start-up peak holds both
+        start_dev, start_host = start_dev + start_host, start_dev + start_host
+    startup = start_dev + overhead
+    startup_node = start_host * c.gpus_per_node
+    startup_host_fits = None if c.cpu_ram_bytes is None else startup_node <= c.cpu_ram_bytes
 
     # Time: 6*P*tokens FLOPs (forward 2, backward 4), +2 for the recomputed forward; P counts the
     # parameters a token computes with (a mixture of experts: only the experts it is routed to).
@@ -265,7 +308,8 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         gathered_bytes=gathered, bucket_bytes=buckets, activations_bytes=acts, overhead_bytes=overhead,
         total_bytes=total, hbm_bytes=c.gpu.hbm_bytes, usable_bytes=usable, headroom_bytes=c.gpu.hbm_bytes - total,
         offloaded_bytes=offloaded, cpu_bytes_per_node=cpu_node, cpu_fits=cpu_fits,
-        fits=total <= usable and cpu_fits is not False,
+        startup_bytes=startup, startup_host_bytes_per_node=startup_node, startup_host_fits=startup_host_fits,
+        fits=total <= usable and startup <= usable and cpu_fits is not False and startup_host_fits is not False,
         comm_bytes=overlap + exposed, compute_s=compute_s, comm_s=(overlap + exposed) / bw,
         exposed_comm_s=exposed_s, offload_s=offload_s, step_s=step_s,
         scaling_efficiency=compute_s / step_s, tokens_per_s_per_gpu=tokens / step_s,

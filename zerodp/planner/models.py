@@ -8,6 +8,7 @@ Everything here is arithmetic on a few integers; no model is built and torch is 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -54,8 +55,16 @@ class ModelSpec:
     """Norms in one block whose inputs backward keeps (Gemma 2: four)."""
     arch: Optional[Arch] = field(default=None, repr=False, hash=False)
     """The description it was derived from (names and shapes); None for a --params guess."""
+    largest_param: int = 0
+    """Elements of the largest single parameter (the embedding, vocab x hidden, or a MoE layer's stacked
+    experts): what loading a checkpoint holds in host memory at once. 0: `largest_unit_params`."""
+    largest_block_params: int = 0
+    """Elements of the largest transformer block. 0: `largest_unit_params`."""
 
     def __post_init__(self):
+        for name in ("largest_param", "largest_block_params"):  # unknown: the larger bound, never less
+            if not getattr(self, name):
+                object.__setattr__(self, name, self.largest_unit_params)
         if self.active_params is None:
             object.__setattr__(self, "active_params", self.params)
         if self.q_dim is None:
@@ -70,7 +79,9 @@ def spec_from_arch(a: Arch, name: str, dropout: bool = False) -> ModelSpec:
         moe_ffn if a.n_experts and len(a.dense_layers) < a.n_layer else a.ffn, a.n_kv_head * a.head_dim,
         a.block_size, max(a.largest_block_params(), a.embedding_params()),
         "gelu" if a.family == "gpt2" else "swiglu", dropout, active_params=a.active_param_count(),
-        q_dim=a.n_head * a.head_dim, norms_per_block=4 if a.family == "gemma2" else 2, arch=a)
+        q_dim=a.n_head * a.head_dim, norms_per_block=4 if a.family == "gemma2" else 2, arch=a,
+        largest_param=max(math.prod(s) for s in a.param_shapes().values()),
+        largest_block_params=a.largest_block_params())
 
 
 def gpt_param_count(model_cfg) -> int:
@@ -174,4 +185,5 @@ def spec_from_params(params: int, layers: Optional[int] = None, hidden: Optional
         raise UserError(f"--hidden {hidden} is not divisible by --heads {heads}; pick heads dividing hidden")
     block = 12 * hidden * hidden
     return ModelSpec(f"{params:,} params", params, layers, hidden, heads, vocab, 4 * hidden, hidden, context,
-                     max(block, vocab * hidden), "gelu", shape_assumed=assumed)
+                     max(block, vocab * hidden), "gelu", shape_assumed=assumed,
+                     largest_param=max(vocab * hidden, 4 * hidden * hidden), largest_block_params=block)

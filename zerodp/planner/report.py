@@ -10,8 +10,8 @@ from zerodp.planner.units import gb, human_count, seconds
 
 SCHEMA_VERSION = 1
 
-_COLUMNS = ("strategy", "ckpt", "params", "grads", "optim", "extra", "buffers", "activ", "overhd", "total", "fits",
-            "headroom", "comm/step", "step", "effic", "cpu/node")
+_COLUMNS = ("strategy", "ckpt", "params", "grads", "optim", "extra", "buffers", "activ", "overhd", "total", "startup",
+            "fits", "headroom", "comm/step", "step", "effic", "cpu/node")
 
 
 def _header(plan) -> list[str]:
@@ -26,19 +26,22 @@ def _header(plan) -> list[str]:
         f"MFU {c.mfu:.0%}" + (f", CPU RAM {gb(c.cpu_ram_bytes)}/node" if c.cpu_ram_bytes else ""),
         f"step: micro batch {w.micro_batch} x {w.seq_len} tokens x {w.grad_accum_steps} accumulation, "
         f"{w.precision}, activation checkpointing: {ckpt}",
-        f"memory per GPU in GB (1e9 bytes); fits = total within {1 - MARGIN:.0%} of {gb(c.gpu.hbm_bytes)}",
+        f"memory per GPU in GB (1e9 bytes); fits = total and startup (start-up peak) within {1 - MARGIN:.0%} "
+        f"of {gb(c.gpu.hbm_bytes)}" + (f", start-up host RAM within {gb(c.cpu_ram_bytes)} per node"
+                                       if c.cpu_ram_bytes else ""),
     ]
 
 
 def _cells(e) -> list[str]:
     """One row. 'extra' is what an engine holds beyond the paper's model states (DeepSpeed's fp32 master
-    copy in fp32, FSDP's unsharded gradients while accumulating); 'buffers' gathered layers and buckets."""
+    copy in fp32, FSDP's unsharded gradients while accumulating); 'buffers' gathered layers and buckets;
+    'startup' the peak from building the model to the first step (the host side is in the JSON)."""
     g = lambda b: f"{b / 1e9:.1f}"  # noqa: E731
     return [
         e.name, "on" if e.activation_checkpointing else "off", g(e.params_bytes), g(e.grads_bytes),
         g(e.optimizer_bytes), g(e.engine_master_bytes + e.unsharded_grads_bytes),
         g(e.gathered_bytes + e.bucket_bytes), g(e.activations_bytes),
-        g(e.overhead_bytes), g(e.total_bytes), "yes" if e.fits else "NO", g(e.headroom_bytes),
+        g(e.overhead_bytes), g(e.total_bytes), g(e.startup_bytes), "yes" if e.fits else "NO", g(e.headroom_bytes),
         g(e.comm_bytes), seconds(e.step_s), f"{e.scaling_efficiency:.0%}",
         g(e.cpu_bytes_per_node) if e.offloaded_bytes else "-",
     ]

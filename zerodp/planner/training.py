@@ -45,7 +45,9 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     if world_size % per_node:
         raise UserError(f"world_size={world_size} is not a multiple of gpus_per_node={per_node}")
     gpu, note = gpu_from_device_name(device_name, device_memory_bytes)
-    cluster = Cluster(gpu=gpu, gpus_per_node=per_node, nodes=world_size // per_node)
+    # CPU ranks share the node's RAM: pass it, so the start-up peak of all of them is checked against it
+    node_ram = device_memory_bytes * per_node if not gpu.cuda else None
+    cluster = Cluster(gpu=gpu, gpus_per_node=per_node, nodes=world_size // per_node, cpu_ram_bytes=node_ram)
     requested = True if cfg.model.activation_checkpointing else (None if allow_checkpointing else False)
     plan = choose(spec_from_model_config(cfg.model), cluster, workload_from_config(cfg, world_size), requested)
     if note:

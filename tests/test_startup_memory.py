@@ -1,0 +1,36 @@
+"""Start-up memory, measured from outside (issue 11, item 5): when rank 0 prints its strategy line, every
+rank's start-up is over; no rank may then have grown (peak RSS, over a tiny model's run) by more than
+0.7 x the whole model's fp32 size. A rank that builds the full model before sharding it has already
+held 1.0 x; a sharded start-up holds its shard (0.5 x on 2 ranks) and one layer at a time.
+
+The measurement is benchmarks/startup_memory.py's: `zerodp train` under torchrun on 2 CPU processes,
+each rank's VmHWM read from /proc when the line arrives, the run then stopped (its steps are not wanted).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.startup_memory import BASELINE, MB, measure, model_figures, model_overrides
+
+WORLD = 2
+# 8 x 1024: 101M parameters, 403 MB fp32, far above the run-to-run noise of a rank's peak (a few MB).
+MODEL = model_overrides(layers=8, width=1024, heads=8)
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_no_rank_grows_by_the_whole_model_during_startup(strategy):
+    common = [f"strategy.name={strategy}", "train.precision=fp32"]
+    fp32, _ = model_figures(MODEL + common, WORLD, strategy)
+    base = measure(BASELINE + common, WORLD)
+    big = measure(MODEL + common, WORLD)
+    # Every rank found and measured: a missed rank must fail, not pass vacuously.
+    assert sorted(base.peak) == sorted(big.peak) == list(range(WORLD)), (base.peak, big.peak)
+    assert all(p > 100 * MB for p in base.peak.values()), f"a rank with torch loaded holds > 100 MB: {base.peak}"
+    growth = {r: big.peak[r] - base.peak[r] for r in range(WORLD)}
+    figures = ", ".join(f"rank {r}: {growth[r] / MB:,.0f} MB = {growth[r] / fp32:.2f} x" for r in range(WORLD))
+    # Each rank holds at least half its shard of the weights: far less means the measurement missed them.
+    assert all(g > 0.5 * fp32 / WORLD for g in growth.values()), f"{figures} of the {fp32 / MB:,.0f} MB fp32 model"
+    assert all(g < 0.7 * fp32 for g in growth.values()), (
+        f"{strategy}: peak RSS growth during start-up {figures} of the whole fp32 model ({fp32 / MB:,.0f} MB); "
+        f"a sharded start-up stays below 0.7 x")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.reference import reference_run
+from tests.reference import WEIGHT_TOLERANCE, reference_run
 from zerodp.config import load_config
 
 
@@ -24,7 +24,7 @@ def test_ddp_world2_accum2_matches_single_process(tiny, tmp_path):
     (ddp,), _ = run_distributed("tests.workers:train_runs", 2, {"runs": runs})
     assert ddp["strategy"] == "ddp"
     assert ddp["losses"] == pytest.approx(ref_losses, abs=1e-5)
-    assert max_diff(ddp["weights"], ref_weights) < 1e-5
+    assert max_diff(ddp["weights"], ref_weights) < WEIGHT_TOLERANCE
     # and the weights really moved: the comparison is not between two untouched initialisations
     torch.manual_seed(0)
     assert ref_losses[-1] < ref_losses[0] - 0.3

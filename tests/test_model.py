@@ -40,8 +40,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     grads = []
     for ac in (False, True):
         cfg.activation_checkpointing = ac
-        torch.manual_seed(0)
-        model = GPT(cfg)
+        model = build_model(cfg, seed=0)
         model(x, x).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for n in grads[0]:
@@ -50,10 +49,8 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 def test_init_is_deterministic_and_gpt2_style():
     cfg = ModelConfig(n_layer=4, n_head=2, n_embd=64, vocab_size=256, block_size=16)
-    torch.manual_seed(3)
-    a = GPT(cfg)
-    torch.manual_seed(3)
-    b = GPT(cfg)
+    a = build_model(cfg, seed=3)
+    b = build_model(cfg, seed=3)
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(p, q), n
     proj = a.transformer.h[0].attn.c_proj.weight

@@ -48,7 +48,7 @@ def measure_worker(runs: list[list[str]]) -> list[dict]:
     the per-key peak over those calls: ZeRO-1 holds its full gradients and FSDP its unsharded ones
     between micro batches, the sharded ones after the last."""
     from zerodp.dist import init_distributed
-    from zerodp.models import GPT
+    from zerodp.models import build_model
     from zerodp.strategies import RunContext, make_strategy
 
     env = init_distributed("cpu")
@@ -58,7 +58,7 @@ def measure_worker(runs: list[list[str]]) -> list[dict]:
         accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * env.world_size)
         torch.manual_seed(0)
         strategy = make_strategy(strategy_name)
-        strategy.setup(GPT(cfg.model), RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, accum))
+        strategy.setup(build_model(cfg.model, device="meta"), RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, accum))
         x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.block_size))
         peak: dict[str, int] = {}
         for step in range(2):

@@ -31,7 +31,7 @@ def train_then_probe(runs: list[dict], probes: list[dict]) -> list[dict]:
     from zerodp import checkpoint
     from zerodp.config import load_config
     from zerodp.convert import open_checkpoint, write_zerodp
-    from zerodp.models import GPT
+    from zerodp.models import build_model
     from zerodp.strategies import RunContext, make_strategy
     from zerodp.train import train
 
@@ -49,7 +49,7 @@ def train_then_probe(runs: list[dict], probes: list[dict]) -> list[dict]:
         world = dist.get_world_size()
         strategy = make_strategy(probe["strategy"])
         torch.manual_seed(0)
-        strategy.setup(GPT(cfg.model), RunContext(cfg, dist.get_rank(), world, dist.get_rank(),
+        strategy.setup(build_model(cfg.model, device="meta"), RunContext(cfg, dist.get_rank(), world, dist.get_rank(),
                                                   torch.device("cpu"), cfg.check_batch_split(world)))
         if probe.get("init"):
             checkpoint.init_from(strategy, probe["ckpt"])

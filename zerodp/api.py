@@ -56,9 +56,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 
     with open_checkpoint(path) as source:
         cfg = config if config is not None else model_config_of(source)
-        with torch.device("meta"):
-            model = build_model(cfg)
+        model = build_model(cfg, device="meta")
         model.to_empty(device=device)
+        model.tie_weights()
         state = FullState(source, with_optimizer=False)
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         problem = state.mismatch(shapes)

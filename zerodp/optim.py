@@ -20,7 +20,8 @@ def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
         if not p.requires_grad:
             continue
         is_embedding = name.endswith(("wte.weight", "wpe.weight", "embed_tokens.weight"))
-        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
+        shape = getattr(p, "ds_shape", p.shape)  # a ZeRO-3 parameter's own data is empty: its shape is ds_shape
+        (decay if len(shape) >= 2 and not is_embedding else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": cfg.optim.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

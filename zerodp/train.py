@@ -140,14 +140,15 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     if plan is not None:  # after the input checks: a bad input stays a one-line error
         log(env, "strategy.name=auto, the planner's table:\n" + plan.table())
 
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model)
+    torch.manual_seed(cfg.train.seed)  # the same dropout streams as one process
+    # Start-up: the model is built on the meta device (no memory); the strategy materialises only what
+    # this rank keeps and fills it with the initial weights of (train.seed, parameter name), so every
+    # strategy at every world size starts from the same weights; a checkpoint then loads tensor by tensor.
+    model = build_model(cfg.model, device="meta")
     strategy = make_strategy(name)
+    meta = run_metadata(cfg, name, strategy.layout, env, model)
     ctx = RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, grad_accum, env.local_world_size)
     strategy.setup(model, ctx)
-    log(env, f"strategy {name} on {env.world_size} process(es), {param_count(cfg.model):,} parameters, "
-             f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
-             f"world {env.world_size} x accum {grad_accum}")
 
     start, tokens_seen = 0, 0
     if start_plan.resume_from is not None:
@@ -157,10 +158,13 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         tokens_seen = state.get("tokens", start * cfg.train.global_batch_size * cfg.model.block_size)
     elif start_plan.init_from:
         checkpoint.init_from(strategy, start_plan.init_from)
+    dist.barrier()  # start-up is over on every rank
+    log(env, f"strategy {name} on {env.world_size} process(es), {param_count(cfg.model):,} parameters, "
+             f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
+             f"world {env.world_size} x accum {grad_accum}")
     log(env, start_plan.why)
     if start >= cfg.train.max_steps:
         log(env, f"the run is already complete at step {start}; raise train.max_steps to train further")
-    meta = run_metadata(cfg, name, strategy.layout, env, model)
 
     metrics_path = out_dir / "metrics.jsonl"
     if env.rank == 0:
@@ -331,7 +335,9 @@ def sample(strategy, cfg: Config, env: DistEnv) -> str:
     weights = strategy.full_state_dict()
     if env.rank != 0:
         return ""
-    model = build_model(cfg.model)
+    model = build_model(cfg.model, device="meta")
+    model.to_empty(device="cpu")
+    model.tie_weights()
     model.load_state_dict(weights, strict=not model.tied_weights())  # a tied alias is not in `weights`
     model.eval()
     prompt = torch.tensor([list(b"def ")], dtype=torch.long) if cfg.model.vocab_size >= 256 else \

@@ -1,7 +1,11 @@
 """The model zoo: one decoder description (`Arch`, zerodp/models/arch.py) and one module per family.
 
-    model = build_model(cfg.model)          # GPT (gpt2) or Llama (llama), per model.arch
-    arch_of(cfg.model).param_shapes()       # names and shapes, without torch
+    model = build_model(cfg.model, seed)            # GPT (gpt2) or Llama (llama), per model.arch
+    meta = build_model(cfg.model, device="meta")    # no memory: what the strategies materialise
+    arch_of(cfg.model).param_shapes()               # names and shapes, without torch
+
+A family's constructor only declares modules; it never initialises (torch's own per-module init would
+draw every weight on every rank). Initial values come from `DecoderLM.initial_values(name, seed)`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from typing import TYPE_CHECKING
 import importlib
 
 if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.hf, never the reverse
+    import torch
+
     from zerodp.config import ModelConfig
 
 from zerodp.models.arch import Arch, arch_of
@@ -26,10 +32,39 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'zerodp.models' has no attribute {name!r}")
 
 
-def build_model(cfg: ModelConfig):
-    """The model `cfg.arch` names, initialised (or uninitialised, under `torch.device("meta")`)."""
+def construct(cfg: ModelConfig):
+    """The module `cfg.arch` names, as its constructor leaves it: on torch's current default device
+    (nothing allocated under `torch.device("meta")`; partitioned as created under `deepspeed.zero.Init`),
+    its values not yet the model's initial weights."""
     module, cls = FAMILY_MODULES[arch_of(cfg).family]
     return getattr(importlib.import_module(module), cls)(cfg)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device | None = None):
+    """The model `cfg.arch` names with its initial weights for `seed` (train.seed) on `device` (default:
+    torch's default device), or on the meta device without memory or values. Built on the meta device
+    first: no throw-away init."""
+    import torch
+
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    with torch.device("meta"):
+        model = construct(cfg)
+    if device.type == "meta":
+        return model
+    return materialise(model, device, seed)
+
+
+def materialise(model, device, seed: int, dtype=None):
+    """A model built on the meta device made real on `device` (in `dtype` if given: zero1/zero2 keep
+    their working copy in 16 bits), every parameter filled with its initial values for `seed`: how the
+    strategies that hold the whole model (single, ddp, zero1, zero2) build it, instead of building it on
+    the CPU and moving it. One parameter's fp32 values at a time exist in host memory."""
+    if dtype is not None:
+        model.to(dtype)  # on the meta device: no memory, no values
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    return model
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -47,4 +82,4 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return arch_of(cfg).param_shapes()
 
 
-__all__ = ["Arch", "GPT", "Llama", "arch_of", "build_model", "flops_per_token", "param_count", "param_shapes"]
+__all__ = ["Arch", "GPT", "Llama", "arch_of", "build_model", "construct", "materialise", "flops_per_token", "param_count", "param_shapes"]

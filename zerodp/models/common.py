@@ -1,13 +1,43 @@
 """What every architecture's model shares: the forward pass over blocks (with activation
-checkpointing), the loss, generation, and the names of tied weights. A family implements `embed`,
-`run_block`, `head`, `blocks` and `reset_parameters`; the loop and the strategies see only this."""
+checkpointing), the loss, generation, the names of tied weights, and the initial weights. A family
+implements `embed`, `run_block`, `head`, `blocks` and names its `RESIDUAL_PROJECTIONS`; the loop and the
+strategies see only this.
+
+Initial weights do not depend on the layout: parameter `name`'s initial values are a pure function of
+(train.seed, name), cut in blocks of INIT_BLOCK elements of the flattened parameter, each block drawn
+from its own generator seeded by (seed, name, block index). A rank that keeps elements [start, stop) of a
+parameter (a ZeRO-3 partition, an FSDP shard) draws only the blocks that overlap them, and gets exactly
+the values one process holding the whole model has there (`DecoderLM.initial_values`)."""
 
 from __future__ import annotations
+
+import hashlib
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+INIT_BLOCK = 1 << 20
+"""Elements per independently seeded block of a parameter's initial values."""
+
+
+def _block_generator(seed: int, name: str, block: int) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+
+
+def normal_range(seed: int, name: str, numel: int, start: int, stop: int) -> torch.Tensor:
+    """Elements [start, stop) of parameter `name`'s N(0, 1) draws (numel in all), fp32 on the CPU. Each
+    overlapping block is drawn whole (torch's CPU normal sampler is not prefix-stable) and sliced."""
+    out = torch.empty(stop - start, device="cpu")
+    for block in range(start // INIT_BLOCK, (stop - 1) // INIT_BLOCK + 1 if stop > start else 0):
+        lo, hi = block * INIT_BLOCK, min((block + 1) * INIT_BLOCK, numel)
+        values = torch.randn(hi - lo, generator=_block_generator(seed, name, block), device="cpu")
+        a, b = max(lo, start), min(hi, stop)
+        out[a - start : b - start] = values[a - lo : b - lo]
+    return out
 
 
 class DecoderLM(nn.Module):
@@ -19,20 +49,39 @@ class DecoderLM(nn.Module):
     RESIDUAL_PROJECTIONS: tuple[str, ...] = ()
     """Name suffixes of the weights that write into the residual stream."""
 
-    def reset_parameters(self) -> None:
-        """GPT-2's init for every family: N(0, 0.02) matrices, the residual projections scaled by
-        1/sqrt(2 * n_layer); norm weights 1, biases 0."""
-        import math
+    def initial_values(self, name: str, seed: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Elements [start, stop) of parameter `name`'s flattened initial fp32 values, on the CPU.
 
+        GPT-2's init for every family: N(0, 0.02) matrices, the residual projections scaled by
+        1/sqrt(2 * n_layer); norm weights 1, biases 0. A pure function of (seed, name): identical
+        whatever the strategy, world size or device."""
+        shape = self._shapes()[name]
+        numel = math.prod(shape)
+        stop = numel if stop is None else stop
+        if name.endswith(self.RESIDUAL_PROJECTIONS):
+            return normal_range(seed, name, numel, start, stop).mul_(0.02 / math.sqrt(2 * self.arch.n_layer))
+        if len(shape) >= 2:
+            return normal_range(seed, name, numel, start, stop).mul_(0.02)
+        if name.endswith("bias"):
+            return torch.zeros(stop - start, device="cpu")
+        return torch.ones(stop - start, device="cpu")  # LayerNorm / RMSNorm weight
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        if not hasattr(self, "_param_shapes"):
+            self._param_shapes = self.arch.param_shapes()
+        return self._param_shapes
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter of a materialised, unsharded model with its initial values."""
         for name, p in self.named_parameters():
-            if name.endswith(self.RESIDUAL_PROJECTIONS):
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.arch.n_layer))
-            elif p.dim() >= 2:
-                nn.init.normal_(p, 0.0, 0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            else:  # LayerNorm / RMSNorm weight
-                nn.init.ones_(p)
+            p.view(-1).copy_(self.initial_values(name, seed))
+
+    def tie_weights(self) -> None:
+        """Point each tied alias at its stored parameter again (`to_empty` makes a new tensor per module)."""
+        for alias, stored in self.tied_weights().items():
+            owner, _, attr = alias.rpartition(".")
+            setattr(self.get_submodule(owner), attr, self.get_parameter(stored))
 
     def tied_weights(self) -> dict[str, str]:
         """alias -> stored name for weights shared by two modules (the tied head), as checkpoints record."""

@@ -87,8 +87,6 @@ class GPT(DecoderLM):
         self.lm_head = nn.Linear(a.n_embd, a.vocab_size, bias=False)
         if a.tied:
             self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
-        if self.transformer.wte.weight.device.type != "meta":
-            self.reset_parameters()
 
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks: the unit of activation checkpointing and of FSDP sharding."""

@@ -133,8 +133,6 @@ class Llama(DecoderLM):
         if a.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope: tuple | None = None
-        if self.model.embed_tokens.weight.device.type != "meta":
-            self.reset_parameters()
 
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks: the unit of activation checkpointing and of FSDP sharding."""

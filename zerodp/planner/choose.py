@@ -155,12 +155,13 @@ def _reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
 def _startup_device(r: MemoryEstimate) -> str:
     """What the row holds on the GPU at its start-up peak (memory.startup_states), in words."""
     master = "" if r.offload_optimizer else " and the fp32 master partition"
+    z3 = "a reduce bucket" if r.offload_optimizer else "the fp32 master and gradient partitions, a reduce bucket"
     return {
         "single": "fp32 parameters, 4P",
         "ddp": "fp32 parameters and DDP's gradient buckets, 8P",
         "zero1": f"the 16-bit module{master}",
         "zero2": f"the 16-bit module{master}",
-        "zero3": f"16-bit partitions while flattened{master}, one module created in fp32",
+        "zero3": f"the partitions, {z3}, one module created in fp32",
         "fsdp": "fp32 shards, 4P/N",
     }[r.strategy]
 

@@ -231,14 +231,17 @@ def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
         return (0, load + 4 * shard) if oo or op else (4 * shard, load)
     if s in ("zero1", "zero2"):  # module built in the compute dtype; groups flattened through host RAM
         return c * P + (0 if oo else master), load + c * P + (master if oo else 0)
-    # zero3: partitions made as zero.Init creates each module (in fp32, then cast), then copied while
-    # flattened; in fp32 the flat partition is the master (no copy). An upper bound: the module being
-    # created and the flattening copy are counted together although they come one after the other.
+    # zero3: partitions made as zero.Init creates each module (in fp32, then cast: one module at a time);
+    # at initialize the engine copies them into one flat buffer (the old copies are freed), makes the
+    # fp32 master partition (a separate copy, in fp32 too) and allocates its gradient partition buffer
+    # (in the compute dtype) and a reduce bucket, all before the first step. Measured on CPU ranks:
+    # benchmarks/startup_memory.py. With offload the partitions / master and gradients live on the host.
     part = 0 if op else c * shard
-    dev_master = 0 if oo or w.precision == "fp32" else master
+    dev_master, dev_grads = (0, 0) if oo else (master, c * shard)
+    bucket = w.bucket_mb * 2**20
     created = 4 * max(model.largest_block_params, model.largest_param)
-    host = (c * shard if op else 0) + (master if oo and not (op and w.precision == "fp32") else 0)
-    return max(2 * part, part + dev_master) + created, load + host
+    host = (c * shard if op else 0) + (master + 4 * shard if oo else 0)
+    return part + dev_master + dev_grads + bucket + created, load + host
 
 
 def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:

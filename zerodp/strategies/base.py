@@ -62,7 +62,9 @@ class Strategy(Protocol):
     """The module the loop calls: `loss = strategy.model(x, y)`; wrapped (DDP, engine, FSDP) as needed."""
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
-        """Move/shard `model`, build AdamW over `zerodp.optim.param_groups(model, cfg)`."""
+        """`model` is on the meta device (no storage): materialise only what this rank keeps, on its
+        device, filled from `model.initial_values(name, ctx.cfg.train.seed, start, stop)` for the
+        elements it holds; wrap it; build AdamW over `zerodp.optim.param_groups(model, cfg)`."""
 
     def micro_step(self, is_last: bool) -> AbstractContextManager:
         """Context for one micro-batch's forward and backward; gradients are reduced only when is_last."""

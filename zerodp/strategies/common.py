@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from zerodp.convert.full_state import FullState  # noqa: F401  (what load_full receives)
+from zerodp.models import materialise  # noqa: F401  (what the replicated strategies build with)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -73,24 +75,24 @@ def save_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir
 
 
 def load_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: Path) -> dict:
-    """Inverse of `save_replicated`; returns the strategy's `extra` state."""
-    weights = load_file(ckpt_dir / "model.safetensors")
+    """Inverse of `save_replicated`, one tensor at a time (never a second copy of the model in host
+    memory); returns the strategy's `extra` state."""
     params = dict(model.named_parameters())
-    with torch.no_grad():
-        for n, w in weights.items():
-            params[n].copy_(w)
-    moments = load_file(ckpt_dir / "optim.safetensors")
+    with torch.no_grad(), safe_open(ckpt_dir / "model.safetensors", "pt") as weights:
+        for n in weights.keys():
+            params[n].copy_(weights.get_tensor(n))
     meta = json.loads((ckpt_dir / "optim.json").read_text())
     names = param_names(model, optimizer)
     flat = [p for g in optimizer.param_groups for p in g["params"]]
-    for n, p in zip(names, flat):
-        if n not in meta["step"]:
-            continue
-        optimizer.state[p] = {
-            "step": torch.tensor(meta["step"][n], dtype=torch.float32),
-            "exp_avg": moments[f"{n}/exp_avg"].to(p.device, p.dtype),
-            "exp_avg_sq": moments[f"{n}/exp_avg_sq"].to(p.device, p.dtype),
-        }
+    with safe_open(ckpt_dir / "optim.safetensors", "pt") as moments:
+        for n, p in zip(names, flat):
+            if n not in meta["step"]:
+                continue
+            optimizer.state[p] = {
+                "step": torch.tensor(meta["step"][n], dtype=torch.float32),
+                "exp_avg": moments.get_tensor(f"{n}/exp_avg").to(p.device, p.dtype),
+                "exp_avg_sq": moments.get_tensor(f"{n}/exp_avg_sq").to(p.device, p.dtype),
+            }
     return meta["extra"]
 
 

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (FullState, autocast_context, load_full_replicated, load_replicated,
-                                      replicated_state_bytes, replicated_step, save_replicated)
+                                      materialise, replicated_state_bytes, replicated_step, save_replicated)
 
 
 class DDPStrategy:
@@ -28,7 +28,7 @@ class DDPStrategy:
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx
-        self.module = model.to(ctx.device)
+        self.module = materialise(model, ctx.device, ctx.cfg.train.seed)
         self.model = DistributedDataParallel(
             self.module,
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -109,15 +110,28 @@ class FSDPStrategy:
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx
-        if ctx.device.type == "cuda":
-            model = model.to(ctx.device)  # then each rank keeps only its shards (or moves them to CPU: offload)
+        # Sharded while still on the meta device, then each rank allocates only its own shards, on its
+        # device (or in host memory with offload), and fills them with their initial values.
         self.model = apply_fsdp(model, ctx)
+        offloaded = ctx.cfg.strategy.offload_params or ctx.cfg.strategy.offload_optimizer
+        self.model.to_empty(device="cpu" if offloaded else ctx.device)
+        self._initialise(ctx.cfg.train.seed)
         self.optimizer = torch.optim.AdamW(param_groups(self.model, ctx.cfg), **adamw_kwargs(ctx.cfg))
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
         self._unsharded_peak = 0
         for unit in [*self.model.blocks(), self.model]:
             # Runs after FSDP's own pre-forward hook (prepended), so the unit's parameters are gathered.
             unit.register_forward_pre_hook(self._measure_unsharded)
+
+    @torch.no_grad()
+    def _initialise(self, seed: int) -> None:
+        """Each rank draws only its shard's elements of every parameter's initial values (a pure
+        function of seed and name: the same values one process holds there)."""
+        for name, p in self.model.named_parameters():
+            local = p.to_local()
+            if local.numel():
+                start, stop = _shard_range(p)
+                local.view(-1).copy_(self.model.initial_values(name, seed, start, stop))
 
     def _measure_unsharded(self, module: nn.Module, args) -> None:
         """Bytes of parameters currently gathered (plain tensors, not DTensor shards), all units."""
@@ -240,6 +254,16 @@ class FSDPStrategy:
                     _copy_shard(moments[kind], state.get(name, kind, p.shape))
                 moments["step"] = torch.tensor(state.step(name), dtype=torch.float32)
                 self.optimizer.state[p] = moments
+
+
+def _shard_range(p: DTensor) -> tuple[int, int]:
+    """The elements [start, stop) of the flattened parameter that this rank's shard holds: a run of
+    whole rows, since FSDP2 shards on dim 0 (on a 2-D HSDP mesh, within the replica group)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    row = math.prod(p.shape[1:])
+    return offset[0] * row, (offset[0] + local_shape[0]) * row
 
 
 def _copy_shard(target: DTensor, full: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (FullState, autocast_context, load_full_replicated, load_replicated,
-                                      replicated_state_bytes, replicated_step, save_replicated)
+                                      materialise, replicated_state_bytes, replicated_step, save_replicated)
 
 
 class SingleStrategy:
@@ -21,8 +21,8 @@ class SingleStrategy:
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx
-        self.model = model.to(ctx.device)
-        self.optimizer = torch.optim.AdamW(param_groups(model, ctx.cfg), **adamw_kwargs(ctx.cfg))
+        self.model = materialise(model, ctx.device, ctx.cfg.train.seed)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, ctx.cfg), **adamw_kwargs(ctx.cfg))
         # fp16 needs dynamic loss scaling; bf16 and fp32 do not (scaler disabled = identity).
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
 

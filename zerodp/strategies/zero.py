@@ -163,10 +163,49 @@ class ZeroStrategy:
         # DeepSpeed asserts the launcher's variables exist; a plain one-process run has none.
         for var, value in (("LOCAL_RANK", ctx.local_rank), ("RANK", ctx.rank), ("WORLD_SIZE", ctx.world_size)):
             os.environ.setdefault(var, str(value))
+        model = self._materialise(model, config)
         self.optimizer = self._optimizer(model, ctx.cfg)
-        self.model, _, _, _ = deepspeed.initialize(model=model.to(ctx.device), optimizer=self.optimizer,
-                                                   config=config)
+        self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config)
         self.module = self.model.module
+        self._initialise(model, ctx.cfg.train.seed)
+
+    def _materialise(self, model: nn.Module, config: dict) -> nn.Module:
+        """The meta-device `model` made real as this stage keeps it. ZeRO-1/2 hold the whole working copy:
+        it is materialised directly on the device in the dtype the engine computes in. ZeRO-3 builds the
+        model again under `deepspeed.zero.Init`, which partitions each module's parameters as soon as the
+        module is created: no rank ever holds more than its partitions and one module's parameters."""
+        import deepspeed
+
+        from zerodp.models import construct, materialise
+
+        if self.stage == 3:
+            deepspeed.init_distributed()  # wraps the process group zerodp made (zero.Init needs it)
+            # mem_efficient_linear=False: otherwise DeepSpeed replaces torch.nn.functional.linear for the
+            # whole process, for good; the modules compute as they do under every other strategy.
+            with deepspeed.zero.Init(config_dict_or_path=config, mem_efficient_linear=False):
+                return construct(model.cfg)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.ctx.cfg.train.precision)
+        return materialise(model, self.ctx.device, self.ctx.cfg.train.seed, dtype)
+
+    @torch.no_grad()
+    def _initialise(self, model: nn.Module, seed: int) -> None:
+        """Write every parameter's initial values (a pure function of seed and name, the same on every
+        layout) into this rank's part: the ZeRO-3 partition and its fp32 master, or, for ZeRO-1/2, the
+        fp32 master fragment (the 16-bit working copy was filled by `materialise`, rounded; the master
+        is set from the exact fp32 values, as one process holds them)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        zero_opt, rank = self.model.optimizer, torch.distributed.get_rank()
+        for name, p in self.module.named_parameters():
+            if self.stage == 3:
+                start, stop = _partition_range(p, rank)
+                values = model.initial_values(name, seed, start, stop)
+                _copy_range(p.ds_tensor, values)
+                _copy_range(zero_opt._get_fp32_opt_state_partition(p, False)[0], values)
+                if _is_persistent(p):  # small: its full values exist anyway
+                    _refresh_persistent(p, model.initial_values(name, seed))
+            else:
+                safe_set_full_fp32_param(p, model.initial_values(name, seed).view(p.shape))
 
     def _optimizer(self, model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
         """AdamW over zerodp's param groups; DeepSpeedCPUAdam (the same AdamW, vectorised on the CPU)
@@ -273,9 +312,10 @@ class ZeroStrategy:
             for name, p in self.module.named_parameters():
                 shape = p.ds_shape if self.stage == 3 else p.shape
                 full = state.get(name, "param", shape)
-                if self.stage == 3:  # p holds nothing; its partition is p.ds_tensor
+                if self.stage == 3:  # p holds nothing (or a persistent full copy); its partition is p.ds_tensor
                     _copy_partition(p.ds_tensor, full, rank)
                     _copy_partition(zero_opt._get_fp32_opt_state_partition(p, False)[0], full, rank)
+                    _refresh_persistent(p, full)
                 else:  # replicated 16-bit (or fp32) working copy + this rank's fp32 master fragment
                     p.data.copy_(full.to(p.dtype))
                     safe_set_full_fp32_param(p, full)
@@ -341,15 +381,39 @@ def _adam_step(optimizer: torch.optim.Optimizer, step: float):
     return torch.tensor(step, dtype=torch.float32) if isinstance(optimizer, torch.optim.AdamW) else int(step)
 
 
-def _copy_partition(target: torch.Tensor, full: torch.Tensor, rank: int) -> None:
+def _partition_range(p: torch.Tensor, rank: int) -> tuple[int, int]:
     """ZeRO-3 partitions each parameter in equal chunks of ceil(numel / world), the last one padded:
-    copy this rank's chunk of `full` into `target` (padding zeroed)."""
+    the elements [start, stop) of the flattened parameter that this rank's partition holds."""
+    size, numel = p.ds_tensor.numel(), p.ds_numel
+    return min(rank * size, numel), min((rank + 1) * size, numel)
+
+
+def _copy_range(target: torch.Tensor, values: torch.Tensor) -> None:
+    """Copy a partition's elements into `target`, zeroing the padding past them."""
+    target.zero_()
+    target.view(-1)[: values.numel()].copy_(values.to(target.dtype))
+
+
+def _is_persistent(p: torch.Tensor) -> bool:
+    """ZeRO-3 keeps parameters below stage3_param_persistence_threshold gathered for good: their full
+    copy in p.data is what the forward reads, not the partition."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return p.ds_status == ZeroParamStatus.AVAILABLE
+
+
+def _refresh_persistent(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Write a persistent parameter's gathered copy too, or the next forward reads the old values."""
+    if _is_persistent(p):
+        p.data.copy_(full.view(p.ds_shape).to(p.dtype))
+
+
+def _copy_partition(target: torch.Tensor, full: torch.Tensor, rank: int) -> None:
+    """Copy this rank's ZeRO-3 chunk of `full` into `target` (padding zeroed)."""
     size = target.numel()
     flat = full.flatten()
     start = min(rank * size, flat.numel())
-    piece = flat[start : start + size]
-    target.zero_()
-    target.view(-1)[: piece.numel()].copy_(piece.to(target.dtype))
+    _copy_range(target, flat[start : start + size])
 
 
 def _kind(attr: str) -> str:

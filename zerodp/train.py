@@ -19,6 +19,7 @@ from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distr
 from zerodp.errors import PeerFailure, UserError
 from zerodp.faults import DeviceProbe, Heartbeat, Preemption, Stopwatch, StragglerMonitor, compute_from_probe
 from zerodp.models import build_model, param_count
+from zerodp.sample import sample
 from zerodp.start import plan_start
 from zerodp.strategies import RunContext, make_strategy
 
@@ -328,25 +329,6 @@ def evaluate(strategy, val_data: TokenBatches, cfg: Config, env: DistEnv) -> flo
     strategy.model.train()
     vals = all_gather_floats([total.item() / cfg.train.eval_batches])
     return sum(v[0] for v in vals) / env.world_size
-
-
-def sample(strategy, cfg: Config, env: DistEnv) -> str:
-    """Generate from the final weights (gathered in full on every rank; printed by rank 0)."""
-    weights = strategy.full_state_dict()
-    if env.rank != 0:
-        return ""
-    model = build_model(cfg.model, device="meta")
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model.load_state_dict(weights, strict=not model.tied_weights())  # a tied alias is not in `weights`
-    model.eval()
-    prompt = torch.tensor([list(b"def ")], dtype=torch.long) if cfg.model.vocab_size >= 256 else \
-        torch.zeros((1, 1), dtype=torch.long)
-    torch.manual_seed(cfg.train.seed)
-    out = model.generate(prompt, cfg.train.sample_tokens)[0].tolist()
-    if cfg.model.vocab_size >= 256 and max(out) < 256:
-        return bytes(out).decode("utf-8", errors="replace")
-    return " ".join(map(str, out))
 
 
 def _is_collective_failure(e: BaseException) -> bool:

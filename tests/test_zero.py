@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-1/2/3: the generated DeepSpeed config (pure), then on real processes (gloo, the real
-engine): the plain AdamW reference, exact resume, activation checkpointing, the bf16 band, and the
-per-rank state `state_bytes` reports."""
+engine): the plain AdamW reference, exact resume, activation checkpointing, the bf16 band, the
+per-rank state `state_bytes` reports, and fp16's dynamic loss scale (resumed; exhausted at its minimum)."""
 
 from __future__ import annotations
 
@@ -255,3 +255,55 @@ def test_dynamic_loss_scale_survives_resume(tiny, tmp_path):
         assert got["trained"]["cur_scale"] == 2**12 and got["trained"]["cur_iter"] == 5, (stage, got)
         assert got["resumed"] == got["trained"], stage
     assert results[1] == results[0]
+
+
+def min_scale_worker(overrides: list[str]) -> dict:
+    """Per stage: DeepSpeed's real DynamicLossScaler, built by DeepSpeed's own code from the fp16 section
+    zerodp generates (start 2**16, halve per overflow, minimum 1), swapped into the engine as in
+    `loss_scaler_worker` (the CPU accelerator has no fp16); every step's loss is multiplied by inf, so the
+    gradients overflow at any scale, until the scaler gives up at its minimum."""
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    from zerodp.dist import init_distributed
+    from zerodp.models import build_model
+    from zerodp.strategies import RunContext, make_strategy
+
+    env = init_distributed("cpu")
+    fp16 = deepspeed_config(load_config(None, overrides + ["train.precision=fp16"]), 2, 1, env.world_size)["fp16"]
+    out = {}
+    for stage in ("zero2", "zero3"):  # zero1 shares zero2's optimizer class
+        cfg = load_config(None, overrides + [f"strategy.name={stage}"])
+        strategy = make_strategy(stage)
+        strategy.setup(build_model(cfg.model, device="meta"),
+                       RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, 1))
+        scaler = CreateLossScaler(torch.half, 0, True, DeepSpeedFP16Config(**fp16).dynamic_loss_scale_args())
+        strategy.model.optimizer.loss_scaler = scaler
+        strategy.model.optimizer.dynamic_loss_scale = True
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size), generator=torch.Generator().manual_seed(1))
+        scales = []
+        for _ in range(30):
+            scales.append(scaler.cur_scale)
+            with strategy.micro_step(is_last=True):
+                strategy.backward(strategy.model(x, x) * float("inf"))
+            try:
+                strategy.step(1e-3)
+            except UserError as e:
+                out[stage] = {"error": str(e), "type": type(e).__name__, "scales": scales}
+                break
+    return out
+
+
+def test_fp16_loss_scale_at_minimum_is_one_line_error(tiny):
+    """DeepSpeed's scaler raises a bare Exception when it overflows at min_loss_scale; zerodp turns it
+    into a UserError (one line from the CLI, exit 2) saying what happened and what to change."""
+    results = run_distributed("tests.test_zero:min_scale_worker", 2, {"overrides": tiny})
+    for stage, got in results[0].items():
+        assert got["scales"] == [2.0**k for k in range(16, -1, -1)], stage  # halved on each of 16 overflows
+        assert got["type"] == "LossScaleExhausted" and "\n" not in got["error"], got
+        assert got["error"] == (
+            "train.precision=fp16: step 17 overflowed again with the loss scale already at its minimum 1 "
+            "(16 steps skipped for overflow so far): the fp16 gradients overflow at any scale, so DeepSpeed "
+            "stops the run; use train.precision=bf16 (or fp32), or lower optim.lr"), stage
+    assert set(results[0]) == {"zero2", "zero3"}
+    assert results[1] == results[0]  # every rank stops at the same step with the same message

@@ -231,7 +231,17 @@ class ZeroStrategy:
 
     def step(self, lr: float) -> float:
         set_lr(self.optimizer, lr)
-        self.model.step()
+        try:
+            self.model.step()
+        except Exception as e:  # DeepSpeed gives up with a bare Exception; only that case is translated
+            if not _loss_scale_exhausted(e, self.model.optimizer):
+                raise
+            scaler = self.model.optimizer.loss_scaler
+            raise LossScaleExhausted(
+                f"train.precision=fp16: step {self.model.global_steps + 1} overflowed again with the loss scale "
+                f"already at its minimum {scaler.min_scale:g} ({self.model.skipped_steps} steps skipped for "
+                f"overflow so far): the fp16 gradients overflow at any scale, so DeepSpeed stops the run; use "
+                f"train.precision=bf16 (or fp32), or lower optim.lr") from None
         norm = self.model.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
@@ -358,6 +368,21 @@ class ZeroStrategy:
         if self.stage != 3:  # DeepSpeed links parameter fragments to optimizer state once; relink
             zero_opt._hp_optimizer_states_linked = False
             zero_opt._lazy_init_hp_params_optimizer_state()
+
+
+class LossScaleExhausted(UserError):
+    """fp16's dynamic loss scale is at its minimum and the gradients overflow again."""
+
+
+def _loss_scale_exhausted(error: Exception, zero_opt) -> bool:
+    """Whether `error` is DeepSpeed's DynamicLossScaler giving up: on an overflow with the scale already
+    at `min_scale` (and hysteresis spent) and `raise_error_at_min_scale` (always True: DeepSpeed's config
+    cannot change it), `update_scale` raises a bare `Exception` ("Current loss scale already at minimum").
+    Recognised by the scaler's state rather than the wording: a plain Exception, nothing derived from it,
+    raised while a dynamic scaler that raises at its minimum sits at that minimum."""
+    scaler = getattr(zero_opt, "loss_scaler", None)
+    return (type(error) is Exception and scaler is not None and getattr(scaler, "dynamic", False)
+            and getattr(scaler, "raise_error_at_min_scale", False) and scaler.cur_scale == scaler.min_scale)
 
 
 # What DynamicLossScaler learns while training; its other fields come from the config.

@@ -42,6 +42,7 @@ def test_yaml_exponent_without_dot_is_a_float(tmp_path):
     ("optim:\n  beta2: 1.5\n", r"optim.beta2=1.5 must be in \[0, 1\)"),
     ("strategy:\n  name: zero4\n", r"strategy.name='zero4' is not one of single \| ddp \| zero1 \| zero2 \| zero3 \| fsdp \| auto; did you mean 'zero3'\?"),
     ("train:\n  precision: fp8\n", r"train.precision='fp8' is not one of fp32 \| bf16 \| fp16"),
+    ("train:\n  deterministic: maybe\n", r"train.deterministic in .*c.yaml must be true or false, got 'maybe'"),
     ("train:\n  global_batch_size: 10\n  micro_batch_size: 4\n", r"train.global_batch_size=10 is not a multiple of train.micro_batch_size=4"),
     ("model:\n  n_embd: 100\n  n_head: 3\n", r"model.n_embd=100 is not divisible by model.n_head=3; choose n_head among the divisors of n_embd \(e.g. 2\)"),
     ("model:\n  dropout: 1.0\n", r"model.dropout=1.0 must be in \[0, 1\)"),

@@ -130,6 +130,10 @@ class TrainConfig:
     """Seeds initialisation and the data order; the batch of step k depends on (seed, k) only."""
     precision: str = "fp32"
     """fp32, bf16 or fp16 (mixed precision with fp32 master weights)."""
+    deterministic: bool = False
+    """CUDA: deterministic kernels only (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8,
+    cuDNN deterministic), so a repeated or resumed run reproduces the bits; costs speed (attention
+    backward without split-key parallelism, no cuDNN attention). CPU runs are bit-reproducible without it."""
     out_dir: str = "runs/tiny"
     """Run directory: resolved config, metrics.jsonl, checkpoints."""
     eval_every: int = 50

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zerodp import checkpoint
+from zerodp import checkpoint, determinism
 from zerodp.config import Config, dump_yaml, lr_at
 from zerodp.data import TokenBatches, load_tokens, prefetch
 from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
@@ -112,6 +112,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
 
     The summary holds the strategy name, world size, {step: mean loss} of the steps run here, the
     bytes rank-local state held at start, and with `return_weights` the final full fp32 weights."""
+    determinism.apply(cfg.train.deterministic)  # before CUDA computes anything: cuBLAS reads its workspace setting once
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
     grad_accum = cfg.check_batch_split(env.world_size)
     # Rank 0 plans and every rank runs its choice (nodes could report different memory).

@@ -1,14 +1,17 @@
-# zerodp: `make quickstart` trains a small GPT on 2 processes; `make test` runs the test suite.
-# Both create .venv and install zerodp into it. Without a GPU the CPU build of torch is installed
-# first (torch==2.13.0); with one, pip keeps/installs the CUDA build that torch's range resolves to.
+# zerodp: `make quickstart` trains a small GPT on one process per usable GPU, at most 2 (2 CPU processes
+# on a machine without one); `make test` runs the test suite (on the CPU, GPUs or not; the tests marked
+# gpu run where there are enough GPUs). Both create .venv and install zerodp into it. Without a GPU the
+# CPU build of torch is installed first (torch==2.13.0); with one, pip keeps/installs the CUDA build that
+# torch's range resolves to.
+#   make quickstart NPROC=1       exactly 1 process
+#   CUDA_VISIBLE_DEVICES=1 make quickstart   GPU 1 only; CUDA_VISIBLE_DEVICES= make quickstart: the CPU
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Only chooses which torch build to install: the GPUs a launch uses are counted by zerodp.devices.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
-NPROC ?= 2
-# On a machine without GPUs DeepSpeed must be told to use its CPU accelerator (gloo collectives).
+NPROC ?=
 ifeq ($(HAS_GPU),)
-export DS_ACCELERATOR := cpu
 TORCH_PIN := torch==2.13.0
 endif
 
@@ -23,8 +26,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]' ninja
 	touch $@
 
+# launchers/local.sh counts the GPUs (python -m zerodp.devices count, CUDA_VISIBLE_DEVICES and MIG
+# included) and starts that many processes, here at most 2, or 2 CPU processes without a GPU.
 quickstart: install
-	$(VENV)/bin/deepspeed --num_gpus $(NPROC) --module zerodp train configs/tiny.yaml
+	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_GPUS=2 NPROC=$(NPROC) launchers/local.sh configs/tiny.yaml
 
 test: install
 	$(PY) -m pytest -q tests

@@ -2,8 +2,9 @@
 on the same raw engine (plain DDP, plain deepspeed.initialize, plain fully_shard): same model, batch,
 precision and optimizer, alternating in one run so both see the same machine state.
 
-    python benchmarks/strategy_overhead.py                       # 2 processes, every strategy
+    python benchmarks/strategy_overhead.py                       # every strategy, 2 GPUs (or 2 CPU processes)
     python benchmarks/strategy_overhead.py --nproc 2 --strategies ddp,zero2 --steps 10 --rounds 6
+    python benchmarks/strategy_overhead.py --device cpu          # on the CPU, GPUs or not
 
 Prints the median step time of each and the ratio zerodp / raw per strategy (1.00 = no overhead).
 """
@@ -22,33 +23,66 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse would print the usage block too)
+        print(f"strategy_overhead.py: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse_args():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes: default one per GPU, at most 2 (python -m zerodp.devices count), else 2 on the CPU")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA when a GPU is usable (one per process), else the CPU")
     p.add_argument("--strategies", default="ddp,zero1,zero2,zero3,fsdp")
     p.add_argument("--steps", type=int, default=10, help="timed steps of each loop per round")
     p.add_argument("--rounds", type=int, default=4, help="rounds; the loop that goes first alternates")
     p.add_argument("--precision", default="fp32")
     p.add_argument("overrides", nargs="*", help="zerodp config overrides for the model/batch")
-    return p.parse_args()
+    return p, p.parse_args()
 
 
 DEFAULT_MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=128", "model.block_size=128",
                  "train.micro_batch_size=4", "data.max_bytes=400000", "optim.warmup_steps=0"]
 
 
-def launch(args) -> None:
-    """Re-run this script on --nproc processes (as torchrun would) and wait."""
+def placement(device: str, nproc: int | None, gpus: int) -> tuple[str, int]:
+    """(device, processes) for --device and --nproc on a machine offering `gpus` GPUs; ValueError says why not."""
+    if device == "auto":
+        device = "cuda" if gpus > 0 else "cpu"
+    if device == "cuda":
+        nproc = nproc or min(gpus, 2)
+        if gpus == 0:
+            raise ValueError("--device cuda but no GPU is usable here; pass --device cpu")
+        if nproc > gpus:
+            raise ValueError(f"--nproc {nproc} on --device cuda needs {nproc} GPUs, this machine offers {gpus}; "
+                             f"pass --nproc {gpus}")
+        return device, nproc
+    return device, nproc or 2
+
+
+def launch(args, parser) -> None:
+    """Re-run this script on --nproc processes (as torchrun would), on --device, and wait."""
+    from zerodp.devices import count_gpus
+
+    if args.nproc is not None and args.nproc < 1:
+        parser.error(f"--nproc must be 1 or more, got {args.nproc}")
+    try:
+        device, nproc = placement(args.device, args.nproc, count_gpus())
+    except ValueError as e:
+        parser.error(str(e))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for rank in range(args.nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=ROOT)
-        env.setdefault("DS_ACCELERATOR", "cpu")
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-        procs.append(subprocess.Popen([sys.executable, *sys.argv], env=env))
+        if device == "cpu":  # DeepSpeed's CPU accelerator, and the cores shared out
+            env["DS_ACCELERATOR"] = "cpu"
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        procs.append(subprocess.Popen([sys.executable, *sys.argv, "--device", device], env=env))
     sys.exit(max(p.wait() for p in procs))
 
 
@@ -143,7 +177,7 @@ def worker(args) -> None:
     from zerodp.strategies import RunContext, make_strategy
     from zerodp.train import train_step
 
-    env = init_distributed("auto")
+    env = init_distributed(args.device)  # the launcher resolved auto: cpu or cuda
     world = env.world_size
     base = DEFAULT_MODEL + [f"train.precision={args.precision}"] + args.overrides
     cfg0 = load_config(None, base)
@@ -191,8 +225,8 @@ def batches(data, cfg, step, env, world):
 
 
 if __name__ == "__main__":
-    a = parse_args()
+    parser, a = parse_args()
     if "RANK" not in os.environ:
-        launch(a)
+        launch(a, parser)
     else:
         worker(a)

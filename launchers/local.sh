@@ -1,12 +1,34 @@
 #!/usr/bin/env bash
-# One machine: all its GPUs, or NPROC CPU processes when it has none.
+# One machine: one process per GPU a launch here may use, or NPROC CPU processes (2) when it has none.
 #   launchers/local.sh configs/tiny.yaml [section.key=value ...]
+#   MAX_GPUS=2 launchers/local.sh ...     at most 2 GPUs (make quickstart)
+#   NPROC=1 launchers/local.sh ...        exactly 1 process
+# The GPUs are counted by `python -m zerodp.devices count`, the way CUDA counts them: CUDA_VISIBLE_DEVICES
+# (indices or GPU-/MIG- UUIDs) applied, a MIG instance one device. torchrun, not the deepspeed launcher,
+# starts the processes: `deepspeed --num_gpus N` takes GPUs 0..N-1 whatever CUDA_VISIBLE_DEVICES says, and
+# its --include accepts indices only. torchrun leaves CUDA_VISIBLE_DEVICES alone; rank r uses cuda:r of it.
 set -euo pipefail
 config=${1:?usage: launchers/local.sh CONFIG.yaml [overrides...]}; shift
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  nproc=${NPROC:-$(nvidia-smi -L | wc -l)}
+if [[ -n ${NPROC:-} && ! $NPROC =~ ^[1-9][0-9]*$ ]]; then
+  echo "local.sh: error: NPROC=$NPROC is not a number of processes; set NPROC=1, 2, ... or unset it" >&2
+  exit 2
+fi
+if [[ -n ${NPROC:-} ]]; then
+  gpus=$(python -m zerodp.devices count)
+else
+  gpus=$(python -m zerodp.devices count ${MAX_GPUS:+--max "$MAX_GPUS"})
+fi
+if (( gpus > 0 )); then
+  nproc=${NPROC:-$gpus}
+  if (( nproc > gpus )); then
+    echo "local.sh: error: NPROC=$nproc but this machine offers $gpus GPU(s) (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}); set NPROC to at most $gpus, or CUDA_VISIBLE_DEVICES= for CPU processes" >&2
+    exit 2
+  fi
 else
   export DS_ACCELERATOR=cpu          # DeepSpeed on CPU: gloo collectives
   nproc=${NPROC:-2}
+  cores=$(getconf _NPROCESSORS_ONLN)  # the cores shared out (torchrun would leave each process 1 thread)
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / nproc > 1 ? cores / nproc : 1 ))}
 fi
-exec deepspeed --num_gpus "$nproc" --module zerodp train "$config" "$@"
+echo "local.sh: $nproc process(es) on $( (( gpus > 0 )) && echo "$nproc GPU(s)" || echo "the CPU")" >&2
+exec torchrun --standalone --nproc-per-node "$nproc" -m zerodp train "$config" "$@"

@@ -4,9 +4,27 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import gpu_skip_reason, pin_cpu
+
 # Tokenized-data cache shared by the test processes (and their children) of one session.
 os.environ.setdefault("ZERODP_CACHE", str(Path(tempfile.gettempdir()) / "zerodp-test-cache"))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# The tests run on the CPU on any machine (a GPU machine's included): CUDA is hidden from this process
+# before anything uses it, and from every process it starts. Only @pytest.mark.gpu tests see GPUs.
+pin_cpu(os.environ)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu(n): needs n GPUs (default 1); skipped on a machine with fewer. Its processes see the "
+                   "machine's GPUs through tests.harness.gpu_env / run_distributed(device='cuda')")
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("gpu")
+    if marker is not None:
+        reason = gpu_skip_reason(marker.args[0] if marker.args else 1)
+        if reason:
+            pytest.skip(reason)
 
 # A small model that trains in well under a second per step on 2 CPU cores.
 TINY = [

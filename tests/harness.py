@@ -1,6 +1,12 @@
 """Run a function on N real processes (gloo on CPU) and collect what each rank returns.
 
     results = run_distributed("tests.workers:train_and_report", world_size=2, kwargs={...})
+    results = run_distributed(..., device="cuda")      # a GPU test (@pytest.mark.gpu(n)): one GPU a rank
+
+The tests run on the CPU on any machine, a GPU machine included: `pin_cpu` (called by tests/conftest.py for
+the pytest process, and by `base_env` for every process a test starts) hides CUDA, so train.device=auto,
+DeepSpeed and the planner all see a machine without GPUs. The GPU tests hand the machine's own
+CUDA_VISIBLE_DEVICES back to the processes they start (`gpu_env`).
 
 Each rank is a fresh `python` process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set the
 way torchrun or the deepspeed launcher sets them; the process group is initialised by zerodp's own
@@ -10,12 +16,14 @@ dicts) is saved per rank and loaded back with `torch.load(weights_only=True)`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import torch
@@ -29,11 +37,57 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The machine's CUDA_VISIBLE_DEVICES from before pin_cpu hid the GPUs ("all" when it was unset).
+MACHINE_GPUS = "ZERODP_TEST_MACHINE_CUDA_VISIBLE_DEVICES"
+
+
+def pin_cpu(environ: MutableMapping[str, str]) -> None:
+    """Make `environ` (a process's, or one to start a process with) a machine without GPUs.
+
+    An empty CUDA_VISIBLE_DEVICES is the one setting that torch.cuda, DeepSpeed's accelerator, the
+    planner's device_memory and every launcher all honour; train.device=cpu would reach only configs.
+    Call it before CUDA is first used in that process. Idempotent: the machine's own value is kept once."""
+    environ.setdefault(MACHINE_GPUS, environ.get("CUDA_VISIBLE_DEVICES", "all"))
+    environ["CUDA_VISIBLE_DEVICES"] = ""
+    environ["DS_ACCELERATOR"] = "cpu"
+
+
+def gpu_env(environ: MutableMapping[str, str]) -> dict:
+    """A copy of a pinned `environ` that sees the machine's GPUs again, for a GPU test's processes."""
+    env = dict(environ)
+    machine = env.get(MACHINE_GPUS, env.get("CUDA_VISIBLE_DEVICES", "all"))
+    if machine == "all":
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = machine
+    env.pop("DS_ACCELERATOR", None)  # DeepSpeed detects CUDA itself
+    return env
+
+
+@functools.cache
+def machine_gpus() -> int:
+    """GPUs the GPU tests may use: zerodp.devices' count in a process that sees the machine's GPUs
+    (this one must not touch CUDA). 0 at once with a CPU build of torch."""
+    if torch.version.cuda is None and torch.version.hip is None:
+        return 0
+    r = subprocess.run([sys.executable, "-m", "zerodp.devices", "count"], env=gpu_env(os.environ), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    return int(r.stdout) if r.returncode == 0 else 0
+
+
+def gpu_skip_reason(needed: int) -> str | None:
+    """Why a test marked gpu(needed) cannot run here, or None when it can."""
+    have = machine_gpus()
+    return None if have >= needed else f"needs {needed} GPU(s); this machine offers {have} to the tests"
+
+
 def base_env(world_size: int, port: int | None = None) -> dict:
+    """The environment of a test's process: CPU only (pin_cpu), one rank of a `world_size` loopback world."""
     env = dict(os.environ)
+    pin_cpu(env)
     env.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()), WORLD_SIZE=str(world_size),
-        DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
         ZERODP_CACHE=env.get("ZERODP_CACHE", str(Path(tempfile.gettempdir()) / "zerodp-test-cache")),
     )
     return env
@@ -45,25 +99,29 @@ _RENDEZVOUS_FLAKES = ("Address already in use", "EADDRINUSE", "connectFullMesh")
 
 
 def run_distributed(target: str, world_size: int, kwargs: dict | None = None, timeout: float = 600,
-                    allow_missing: bool = False) -> list:
+                    allow_missing: bool = False, device: str = "cpu") -> list:
     """Run `target` ("module:function") on `world_size` processes; return each rank's result.
 
+    device="cuda" (GPU tests only) gives each rank the GPU LOCAL_RANK and an nccl group beside gloo.
     With allow_missing, a rank that exited without a result (a test that kills it) gives None."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     try:
-        return _run_once(target, world_size, kwargs, timeout, allow_missing)
+        return _run_once(target, world_size, kwargs, timeout, allow_missing, device)
     except RuntimeError as e:
         if not any(flake in str(e) for flake in _RENDEZVOUS_FLAKES):
             raise
-        return _run_once(target, world_size, kwargs, timeout, allow_missing)
+        return _run_once(target, world_size, kwargs, timeout, allow_missing, device)
 
 
-def _run_once(target: str, world_size: int, kwargs: dict | None, timeout: float, allow_missing: bool) -> list:
-    env = base_env(world_size)
+def _run_once(target: str, world_size: int, kwargs: dict | None, timeout: float, allow_missing: bool,
+              device: str) -> list:
+    env = base_env(world_size) if device == "cpu" else gpu_env(base_env(world_size))
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for rank in range(world_size):
             e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
-            cmd = [sys.executable, "-m", "tests.harness", target, json.dumps(kwargs or {}), tmp]
+            cmd = [sys.executable, "-m", "tests.harness", target, json.dumps(kwargs or {}), tmp, device]
             procs.append(subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         outputs = []
         for p in procs:
@@ -88,9 +146,9 @@ def _worker_main() -> None:
 
     from zerodp.dist import init_distributed, shutdown
 
-    target, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+    target, kwargs, out, device = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     torch.set_num_threads(1)
-    env = init_distributed("cpu")
+    env = init_distributed(device)
     module, fn = target.split(":")
     result = getattr(importlib.import_module(module), fn)(**kwargs)
     torch.save(result, out / f"rank{env.rank}.pt")

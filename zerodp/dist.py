@@ -7,8 +7,10 @@ and as one plain process. gloo on CPU, nccl on CUDA (with gloo beside it for CPU
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +47,10 @@ def _env_int(*names: str, default: int) -> int:
 RANK_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 WORLD_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
 LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+# Ranks on this node: torchrun (LOCAL_WORLD_SIZE), the deepspeed launcher (LOCAL_SIZE), mpirun. srun sets
+# none of these for every layout, so under it the node count says it instead.
+LOCAL_WORLD_VARS = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+NODE_COUNT_VARS = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES")
 
 
 def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv:
@@ -57,6 +63,8 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv
             f"this process is rank {rank} of {world} but MASTER_ADDR is not set, so the ranks cannot find each "
             f"other; export MASTER_ADDR (the first node's address) and MASTER_PORT, e.g. under Slurm "
             f"MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1) MASTER_PORT=29500")
+    if not dist.is_initialized():
+        check_gloo_network(os.environ, socket.gethostname())
     use_cuda = torch.cuda.is_available() and device_pref in ("auto", "cuda")
     if device_pref == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device=cuda but no CUDA device is visible; set train.device=auto or cpu")
@@ -86,6 +94,118 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv
         # ranks of one node share its cores: no oversubscription
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     return env
+
+
+def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    for n in names:
+        if env.get(n) not in (None, ""):
+            return int(env[n])
+    return None
+
+
+def spans_several_nodes(env: Mapping[str, str]) -> bool:
+    """Whether the launcher's variables say this run's ranks are on more than one node.
+
+    Known before the process group exists (DistEnv.hosts comes later, over gloo itself). False when the
+    launcher does not say: a check that rests on it must never stop a run on one node."""
+    world = _first_int(env, WORLD_VARS)
+    if world is None or world <= 1:
+        return False
+    local = _first_int(env, LOCAL_WORLD_VARS)
+    if local is not None:
+        return world > local
+    nodes = _first_int(env, NODE_COUNT_VARS)
+    return nodes is not None and nodes > 1
+
+
+def resolve_host(name: str) -> list[str]:
+    """The addresses `name` resolves to, in getaddrinfo's order (gloo binds the first); [] if none."""
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return []
+    return [info[4][0] for info in infos]
+
+
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address.split("%")[0]).is_loopback
+
+
+def check_gloo_network(env: Mapping[str, str], hostname: str,
+                       resolve: Callable[[str], list[str]] = resolve_host) -> None:
+    """Raise UserError, before any connection is tried, when gloo could not connect this node's ranks.
+
+    gloo carries the host-name exchange, the per-step metrics all-gather and checkpoint agreement (and
+    every collective on CPU). Unless GLOO_SOCKET_IFNAME names an interface, it binds to the address this
+    node's host name resolves to, or to 127.0.0.1 when the name does not resolve, and tells the other
+    ranks to connect there. A name mapped to 127.0.1.1 (the Debian/Ubuntu default in /etc/hosts) is
+    unreachable from any other node: the run would stop at its first collective with "Gloo
+    connectFullMesh failed". Runs on one node, and runs whose MASTER_ADDR is 127.x.x.x, ::1 or localhost
+    (every "node" is then this machine), are never stopped."""
+    names = [n for n in env.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    if names:
+        present = _interfaces()
+        missing = [n for n in names if present and n not in present]
+        if missing:  # gloo's own error is a C++ traceback: "Unable to find address for: eth9"
+            raise UserError(
+                f"GLOO_SOCKET_IFNAME={env['GLOO_SOCKET_IFNAME']} names no network interface on {hostname} "
+                f"({', '.join(missing)}; it has {', '.join(present)}); export GLOO_SOCKET_IFNAME with the "
+                f"interface of this node that reaches the other nodes (see `ip -br addr`)")
+        return
+    if not spans_several_nodes(env):
+        return
+    addresses = resolve(hostname)
+    if addresses and not _is_loopback(addresses[0]):
+        return
+    master = env.get("MASTER_ADDR", "")
+    if _loopback_literal(master):  # not a name: the first node's name resolves to loopback there too
+        return
+    found = (f"resolves to {addresses[0]}, a loopback address," if addresses
+             else "does not resolve, so gloo falls back to 127.0.0.1,")
+    raise UserError(
+        f"this run spans several nodes but host name {hostname!r} {found} which the other nodes cannot "
+        f"reach (gloo would fail with \"connectFullMesh failed\"); export GLOO_SOCKET_IFNAME={_suggest(master)} "
+        f"(the interface that reaches MASTER_ADDR={master or '?'}) and NCCL_SOCKET_IFNAME likewise on every "
+        f"node before launching (the scripts in launchers/ forward both), or map {hostname} to its network address "
+        f"in /etc/hosts")
+
+
+def _loopback_literal(address: str) -> bool:
+    try:
+        return address == "localhost" or _is_loopback(address)
+    except ValueError:
+        return False
+
+
+def _interfaces() -> list[str]:
+    try:
+        return [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return []
+
+
+def _suggest(master: str) -> str:
+    """The interface to name: the one this node routes MASTER_ADDR through, else `<interface>` and the
+    candidates. Looks only at the local routing table (a UDP connect sends nothing)."""
+    others = [n for n in _interfaces() if n != "lo"]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))
+            local = s.getsockname()[0]
+        import fcntl
+        import struct
+
+        for name in others:  # SIOCGIFADDR: the interface's IPv4 address
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+                except OSError:
+                    continue
+            if socket.inet_ntoa(packed[20:24]) == local:
+                return name
+    except (OSError, UnicodeError, ImportError):  # no route, a name that does not resolve, not Linux
+        pass
+    return f"<interface> (one of: {', '.join(others)})" if others else "<interface>"
 
 
 def _elastic_store(rank: int, world: int, timeout: datetime.timedelta):

@@ -207,3 +207,83 @@ def test_ranks_exit_cleanly_after_success_and_after_a_shared_error(tiny, tmp_pat
     assert [r.returncode for r in runs] == [2, 2], [r.stderr for r in runs]
     assert runs[0].stderr.count("\n") == 1 and "data.source '/nonexistent/corpus' not found" in runs[0].stderr
     assert runs[1].stderr == ""
+
+
+def start_pair(cmd: list[str], rank_args=lambda r: []) -> list[subprocess.Popen]:
+    """Ranks 0 and 1 of `cmd`, as any launcher starts them (environment only); stderr apart from stdout."""
+    env = base_env(2)
+    return [subprocess.Popen(cmd + rank_args(r), env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT,
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in (0, 1)]
+
+
+def wait_exit(proc: subprocess.Popen, within: float) -> tuple[int | None, float, str]:
+    """(exit code or None if still running after `within` s, seconds waited, stderr); a process still
+    running is killed."""
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        pass
+    waited, code = time.monotonic() - t0, proc.poll()
+    if code is None:
+        proc.kill()
+    return code, waited, proc.communicate()[1]
+
+
+def test_a_peer_that_stops_answering_is_named_well_before_the_collective_timeout(tiny, tmp_path):
+    """A stopped process keeps its sockets open: the collective waits for strategy.timeout_s (under nccl
+    the watchdog then aborts without a word). Rank 1 is frozen (SIGSTOP) after 3 steps with
+    strategy.timeout_s=60: rank 0's peer watch sees its heartbeat stop, prints the line naming it and
+    exits 1 within about timeout_s / 10."""
+    out = tmp_path / "run"
+    procs = start_pair([sys.executable, "-m", "zerodp", "train", "configs/tiny.yaml",
+                        *small(tiny, out, steps=500, every=2), "train.progress=false", "strategy.timeout_s=60"])
+    try:
+        deadline = time.monotonic() + 180
+        while metric_lines(out) < 3 and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.05)
+        assert metric_lines(out) >= 3, procs[0].communicate(timeout=60)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        code, waited, err = wait_exit(procs[0], within=25)
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+    assert code == 1 and waited < 20, (code, waited, err[-3000:])
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("zerodp: error: rank 0 on ") and "because rank 1 on " in line, err[-3000:]
+    assert "(last finished step" in line and "no sign of life for 6s" in line, line
+    assert "Restart the job" in line
+
+
+def test_sigterm_while_blocked_on_a_hung_peer_exits_promptly(tiny, tmp_path):
+    """Python runs a signal handler only once the main thread returns from the collective it is blocked
+    in, which a hung peer delays until the collective timeout: torchrun's restart would wait out its
+    shutdown timeout. Rank 1 hangs (its process alive: its heartbeat goes on) at step 6 with
+    checkpoint.every=2; rank 0, blocked in step 6's gradient all-reduce, gets SIGTERM. It exits with 143
+    within seconds, naming step_00000004, which is intact and the newest published checkpoint."""
+    from zerodp import checkpoint
+
+    out = tmp_path / "run"
+    kwargs = {"overrides": small(tiny, out, steps=500, every=2) + ["train.progress=false", "strategy.timeout_s=60"],
+              "rank": 1, "step": 5, "seconds": 60}
+    procs = start_pair([sys.executable, "-m", "tests.harness", "tests.workers:hang_at_step", json.dumps(kwargs),
+                        str(tmp_path), "cpu"])
+    try:
+        deadline = time.monotonic() + 180
+        while metric_lines(out) < 5 and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.05)
+        assert metric_lines(out) == 5, procs[0].communicate(timeout=60)
+        time.sleep(1.0)  # rank 0 is now waiting for rank 1 inside step 6
+        os.kill(procs[0].pid, signal.SIGTERM)
+        code, waited, err = wait_exit(procs[0], within=30)
+    finally:
+        procs[1].kill()
+        procs[1].wait()
+    assert code == 143 and waited < 15, (code, waited, err[-3000:])
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("zerodp: error: SIGTERM: rank 0 on ") and "blocked in a collective at step 6" in line, err
+    assert "the newest checkpoint, step_00000004, is intact" in line, line
+    root = out / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step_00000004"
+    assert sorted(p.name for p in root.iterdir() if checkpoint.is_step_dir(p)) == ["step_00000002", "step_00000004"]
+    assert checkpoint.find_resumable(out) == root / "step_00000004"  # complete and intact

@@ -17,7 +17,8 @@ from zerodp.config import Config, dump_yaml, lr_at
 from zerodp.data import TokenBatches, load_tokens, prefetch
 from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
 from zerodp.errors import PeerFailure, UserError
-from zerodp.faults import DeviceProbe, Heartbeat, Preemption, Stopwatch, StragglerMonitor, compute_from_probe
+from zerodp.faults import (DeviceProbe, Heartbeat, PeerWatch, Preemption, Stopwatch, StragglerMonitor,
+                           compute_from_probe)
 from zerodp.models import build_model, param_count
 from zerodp.sample import sample
 from zerodp.start import plan_start
@@ -178,6 +179,9 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     probe = DeviceProbe(env.device) if strategy.gathers_in_forward and env.world_size > 1 else None
     preemption = Preemption(cfg.train.preempt_grace_s, announce=env.rank == 0)
     bar = _progress(cfg, env, start)
+    # A side thread for a peer that stops answering and for a signal while a collective blocks this thread.
+    watch = PeerWatch(heartbeat, preemption, cfg.strategy.timeout_s, say=lambda line: _say(bar, line),
+                      newest_checkpoint=lambda: _newest_checkpoint(out_dir))
     tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
     losses: dict[int, float] = {}
     held: dict[int, int] = {}
@@ -185,6 +189,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     step, done = start, start
     t_end = time.perf_counter()
     strategy.model.train()
+    watch.start(start)
     try:
         for step, micro_batches in prefetch(train_data, range(start, cfg.train.max_steps), cfg,
                                             env.rank, env.world_size, cfg.data.prefetch):
@@ -199,6 +204,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             per_rank = all_gather_floats([local_loss, compute, data_wait, preemption.request_code, forward_s,
                                           probe_s])
             sync_wait = time.perf_counter() - t0 - compute - probe_s
+            watch.step_done(step + 1, data_wait + time.perf_counter() - t0)
             loss_mean = sum(r[0] for r in per_rank) / env.world_size
             times = [r[1] + r[2] for r in per_rank]
             slowest = max(range(env.world_size), key=lambda r: times[r])
@@ -228,7 +234,9 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             stop = any(r[3] for r in per_rank)  # the signal of any rank stops all of them
             if stop or done == cfg.train.max_steps or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
                 trainer_state = {"step": done, "tokens": tokens_seen, "loss": loss_mean}
+                watch.saving = True  # a signal now waits for the save (within the grace period)
                 checkpoint.save(strategy, out_dir, done, trainer_state, meta, cfg.checkpoint.keep_last)
+                watch.saving = False
             if stop:
                 ctrl_c = any(r[3] == Preemption.CTRL_C for r in per_rank)
                 what = "Ctrl-C" if ctrl_c else "preempted"
@@ -242,6 +250,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             raise
         raise PeerFailure(heartbeat.diagnose(e, step)) from None
     finally:
+        watch.stop()
         preemption.restore()
         if bar is not None:
             bar.close()
@@ -330,6 +339,19 @@ def evaluate(strategy, val_data: TokenBatches, cfg: Config, env: DistEnv) -> flo
     strategy.model.train()
     vals = all_gather_floats([total.item() / cfg.train.eval_batches])
     return sum(v[0] for v in vals) / env.world_size
+
+
+def _say(bar, line: str) -> None:
+    """A line on stderr from any thread, below a live progress bar rather than inside it."""
+    print(("\n" if bar is not None else "") + line, file=sys.stderr, flush=True)
+
+
+def _newest_checkpoint(out_dir: Path) -> str | None:
+    """The checkpoint `latest` names (the newest complete one), or None before the first save."""
+    try:
+        return (checkpoint.checkpoint_root(out_dir) / "latest").read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _is_collective_failure(e: BaseException) -> bool:

@@ -1,28 +1,76 @@
-"""The end-of-run sample: a few tokens generated from the final weights, printed by rank 0."""
+"""The end-of-run sample: a few tokens generated through the trained, still sharded model.
+
+Generation runs on every rank through `strategy.model`, the module the training loop calls (the DDP
+wrapper, the DeepSpeed engine, the FSDP-wrapped model), so under zero3 and fsdp each forward gathers
+one block at a time exactly as training did: nothing after training needs more memory than training
+did (no full fp32 copy of the weights on any rank). Every rank must therefore run the same forward
+calls in the same order: each step's token is drawn on every rank from the same seeded generator and
+then broadcast from rank 0, so the ranks' sequences, and so their forwards, never diverge.
+
+Sampling is DecoderLM.generate's (temperature 0.8, top-k 50, one multinomial draw per token, on the
+CPU from a generator seeded with train.seed): the same weights give the same tokens as `generate`
+on one process after `torch.manual_seed(train.seed)` (tests/test_sample.py).
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 
 from zerodp.config import Config
 from zerodp.dist import DistEnv
-from zerodp.models import build_model
+
+TEMPERATURE = 0.8
+TOP_K = 50
+
+
+def prompt_tokens(cfg: Config) -> list[int]:
+    """`def ` as bytes for a byte-level (or larger) vocabulary, else token 0."""
+    return list(b"def ") if cfg.model.vocab_size >= 256 else [0]
+
+
+def decode(cfg: Config, tokens: list[int]) -> str:
+    """Text for a byte-level sample, else the token ids separated by spaces."""
+    if cfg.model.vocab_size >= 256 and max(tokens) < 256:
+        return bytes(tokens).decode("utf-8", errors="replace")
+    return " ".join(map(str, tokens))
+
+
+def next_token(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw from the last position's logits (B, V) on the CPU: temperature, then top-k. (B, 1)"""
+    logits = logits.float().cpu() / TEMPERATURE
+    v, _ = torch.topk(logits, min(TOP_K, logits.size(-1)))
+    logits[logits < v[:, [-1]]] = -float("inf")
+    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+
+
+@torch.no_grad()
+def generate_tokens(strategy, cfg: Config, env: DistEnv, new_tokens: int) -> list[int]:
+    """Collective: the prompt and `new_tokens` tokens generated through `strategy.model` on every rank.
+
+    Eval mode, no gradients, the strategy's autocast; the module's train/eval mode is restored after."""
+    model = strategy.model
+    was_training = model.training
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    idx = torch.tensor([prompt_tokens(cfg)], dtype=torch.long)  # (1, T) on the CPU
+    block = cfg.model.block_size
+    broadcast = dist.is_initialized() and dist.get_world_size() > 1
+    model.eval()
+    try:
+        for _ in range(new_tokens):
+            with strategy.autocast():
+                logits = model(idx[:, -block:].to(env.device))  # (1, T, V)
+            token = next_token(logits[:, -1, :], generator)  # (1, 1)
+            if broadcast:  # a CPU tensor: gloo carries it beside nccl
+                dist.broadcast(token, src=0)
+            idx = torch.cat([idx, token], dim=1)
+    finally:
+        model.train(was_training)
+    return idx[0].tolist()
 
 
 def sample(strategy, cfg: Config, env: DistEnv) -> str:
-    """Generate from the final weights (gathered in full on every rank; printed by rank 0)."""
-    weights = strategy.full_state_dict()
-    if env.rank != 0:
-        return ""
-    model = build_model(cfg.model, device="meta")
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    model.load_state_dict(weights, strict=not model.tied_weights())  # a tied alias is not in `weights`
-    model.eval()
-    prompt = torch.tensor([list(b"def ")], dtype=torch.long) if cfg.model.vocab_size >= 256 else \
-        torch.zeros((1, 1), dtype=torch.long)
-    torch.manual_seed(cfg.train.seed)
-    out = model.generate(prompt, cfg.train.sample_tokens)[0].tolist()
-    if cfg.model.vocab_size >= 256 and max(out) < 256:
-        return bytes(out).decode("utf-8", errors="replace")
-    return " ".join(map(str, out))
+    """Collective: generate cfg.train.sample_tokens tokens from the trained weights through the
+    (sharded) model on every rank; every rank returns the same text (rank 0 prints it)."""
+    return decode(cfg, generate_tokens(strategy, cfg, env, cfg.train.sample_tokens))

@@ -1,4 +1,4 @@
-"""`zerodp` command line: train, plan, convert, inspect, config.
+"""`zerodp` command line: train, plan, convert, inspect, config, prepare.
 
 User errors (UserError) become one line on stderr and exit code 2, never a traceback.
 """
@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="zerodp", description="Data-parallel GPT training: one pipeline, any strategy.")
     parser.add_argument("--version", action="version", version=f"zerodp {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,plan,convert,inspect,config}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{train,plan,convert,inspect,config,prepare}",
+                                parser_class=_Parser)
     sub.required = True
     _add_train(sub)
     from zerodp.convert import cli as convert_cli
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert_cli.add_convert_parser(sub)
     convert_cli.add_inspect_parser(sub)
     _add_config(sub)
+    from zerodp import prepare_cli
+
+    prepare_cli.add_prepare_parser(sub)
     return parser
 
 

@@ -1,0 +1,492 @@
+"""`zerodp prepare`: documents (text, JSONL, Parquet) -> DIR/train.bin, DIR/val.bin and DIR/meta.json.
+
+    zerodp prepare corpus/ more.jsonl.gz shard-0.parquet --tokenizer path/to/hf_model --out data/mine
+
+What it promises:
+- train.bin and val.bin are nanoGPT's layout (what zerodp.data reads from a .bin): a flat array of
+  token ids, uint16 when every id of the tokenizer fits (vocabulary <= 65536), else uint32. Each
+  document is the tokenizer's own encoding of its text (`Tokenizer.encode(text).ids`, the
+  post-processor's special tokens included unless `special_tokens=False`) followed by the separator
+  (the tokenizer's end-of-text token unless `eot` names another, or none), in input order: inputs as
+  given, a folder's files sorted by path, a JSONL file's lines, a Parquet file's rows.
+- Document i (counted over all inputs) goes to val iff `val_mask(seed, i)`: a hash of (seed, i) below
+  val_fraction. The split is by whole documents and the same however the work is batched.
+- Bounded memory: a reader thread parses about `batch_bytes` of text at a time, an encoder thread
+  encodes the batch before with `encode_batch_fast` (Rust, every core, without the GIL) and the
+  calling thread appends the one before that to the two files. At most QUEUE_DEPTH + 4 batches exist
+  at once; a single document larger than a batch is held whole.
+- Nothing partial: the output is written into a hidden sibling folder that becomes DIR only when
+  complete (zerodp.safe_output). A non-empty DIR is replaced only with `overwrite` and only if it is
+  an earlier prepare (meta.json says so); a bad input anywhere leaves DIR as it was.
+No torch import: a prepare on a CPU box loads only tokenizers, numpy and (for Parquet) pyarrow.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import queue
+import sys
+import sysconfig
+import threading
+import time
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from zerodp import __version__
+from zerodp.errors import UserError
+from zerodp.safe_output import check_output, staged
+
+FORMAT, FORMAT_VERSION = "zerodp-prepare", 1
+META, SPLITS = "meta.json", ("train", "val")
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".tex")  # as zerodp.data reads
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+# Tried in this order when neither --eot nor a tokenizer_config.json beside the tokenizer names one.
+EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|end|>")
+# Text per encode_batch call: ~100 web documents, enough to keep the cores busy, while the library's
+# Encoding objects for it (~200 bytes a token, ~4 bytes of text a token: ~50x the text) stay small.
+BATCH_BYTES = 1 << 18
+QUEUE_DEPTH = 2  # batches parsed ahead of the encoder
+ALIVE = 2  # batches of Encoding objects at once: one being encoded, one being read into numpy
+
+
+@dataclass
+class PrepareOptions:
+    inputs: list[str]
+    """Text files, folders of them (one document per file; also .jsonl/.parquet files inside), JSONL
+    files (one document per line, optionally .gz/.zst), Parquet files, or 'builtin' (the Python
+    standard library's *.py files, zerodp.data's built-in corpus)."""
+    tokenizer: str
+    """A tokenizer.json file, or a folder holding one (a Hugging Face model folder)."""
+    out: str
+    """Output folder: train.bin, val.bin, meta.json."""
+    field: str = "text"
+    """The JSONL field / Parquet column holding each document's text."""
+    val_fraction: float = 0.01
+    """Expected share of documents in val.bin, in [0, 1)."""
+    seed: int = 0
+    """Chooses which documents go to val.bin."""
+    eot: str | None = None
+    """The separator appended to every document: a token of the tokenizer; None: its end-of-text token;
+    'none': no separator."""
+    special_tokens: bool = True
+    """Let the tokenizer's post-processor add its special tokens (a BOS, say), as `encode` does."""
+    overwrite: bool = False
+    """Replace `out` if it holds an earlier prepare."""
+    progress: bool = True
+    """A progress bar on stderr (on a terminal only) with MB/s and tokens."""
+    batch_bytes: int = BATCH_BYTES
+    """Text per encode_batch call; memory, never the output, depends on it."""
+
+
+@dataclass
+class Tok:
+    """A loaded tokenizer and what meta.json records about it."""
+    tokenizer: object  # tokenizers.Tokenizer
+    path: Path  # the tokenizer.json file
+    sha256: str
+    vocab_size: int  # largest id + 1, added tokens included
+    eot_id: int | None
+    eot_token: str | None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
+
+
+@dataclass
+class Source:
+    path: Path
+    kind: str  # text | jsonl | parquet
+    compression: str | None
+    size: int  # bytes on disk
+    given: bool  # named on the command line (an empty one is an error), not found in a folder
+    documents: int = 0
+
+
+def load_tokenizer(given: str, eot: str | None = None) -> Tok:
+    """The tokenizer at `given` (a tokenizer.json or a folder holding one) and its separator: `eot`, or
+    the folder's tokenizer_config.json eos_token, or the first of EOT_CANDIDATES it knows."""
+    from tokenizers import Tokenizer
+
+    p = Path(given)
+    if not p.exists():
+        raise UserError(f"tokenizer {given} not found; give a tokenizer.json file or a Hugging Face model folder "
+                        f"holding one")
+    file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.is_file():
+        raise UserError(f"{p} holds no tokenizer.json; a folder with only vocab.json/merges.txt or tokenizer.model "
+                        f"needs one: transformers' AutoTokenizer.from_pretrained(folder).save_pretrained(folder) "
+                        f"writes it")
+    data = file.read_bytes()
+    try:
+        tok = Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # tokenizers raises a bare Exception for JSON and schema errors alike
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{file} is not a tokenizer the tokenizers library can read ({why}); give the "
+                        f"tokenizer.json of a Hugging Face tokenizer") from None
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if not vocab:
+        raise UserError(f"{file} has an empty vocabulary; give a trained tokenizer")
+    eot_token = _eot_token(tok, file, eot)
+    return Tok(tok, file, hashlib.sha256(data).hexdigest(), max(vocab.values()) + 1,
+               None if eot_token is None else tok.token_to_id(eot_token), eot_token)
+
+
+def _eot_token(tok, file: Path, eot: str | None) -> str | None:
+    if eot == "none":
+        return None
+    if eot is not None:
+        if tok.token_to_id(eot) is None:
+            raise UserError(f"--eot {eot!r} is not a token of {file}; name one of its tokens, or --eot none for "
+                            f"no separator")
+        return eot
+    config = file.with_name("tokenizer_config.json")
+    if config.is_file():
+        try:
+            named = json.loads(config.read_text()).get("eos_token")
+        except (ValueError, AttributeError):
+            named = None
+        named = named.get("content") if isinstance(named, dict) else named
+        if isinstance(named, str) and tok.token_to_id(named) is not None:
+            return named
+    found = next((t for t in EOT_CANDIDATES if tok.token_to_id(t) is not None), None)
+    if found is None:
+        raise UserError(f"{file} has no end-of-text token (none of {', '.join(EOT_CANDIDATES)}); name the "
+                        f"separator with --eot TOKEN, or --eot none for no separator")
+    return found
+
+
+def find_sources(inputs: list[str], field_name: str) -> list[Source]:
+    """Every input file in document order; UserError for a missing input, a folder without inputs, an
+    empty named file or a Parquet file without the text column."""
+    sources = []
+    for given in inputs:
+        if given == "builtin":
+            root = Path(sysconfig.get_paths()["stdlib"])
+            sources += [Source(f, "text", None, f.stat().st_size, False) for f in sorted(root.glob("*.py"))]
+            continue
+        p = Path(given)
+        if p.is_dir():
+            found = [s for f in sorted(p.rglob("*")) if f.is_file() and not _hidden(f, p)
+                     if (s := _source(f, False)) is not None]
+            if not found:
+                raise UserError(f"{p} holds no text ({', '.join(TEXT_SUFFIXES)}), JSONL ({', '.join(JSONL_SUFFIXES)}, "
+                                f"optionally .gz/.zst) or Parquet files; point it at documents")
+            sources += found
+        elif p.is_file():
+            sources.append(_source(p, True) or Source(p, "text", None, p.stat().st_size, True))
+        else:
+            raise UserError(f"input {given} not found; give text files, folders of them, .jsonl(.gz/.zst) or "
+                            f".parquet files, or 'builtin'")
+    for s in sources:
+        if s.given and s.size == 0:
+            raise UserError(f"{s.path} is empty; give files that hold documents")
+        if s.kind == "parquet":
+            _check_parquet(s.path, field_name)
+    return sources
+
+
+def _hidden(f: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in f.relative_to(root).parts)
+
+
+def _source(f: Path, given: bool) -> Source | None:
+    suffixes = [s.lower() for s in f.suffixes[-2:]]
+    compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
+    base = (suffixes[:-1] or [""])[-1] if compression else (suffixes or [""])[-1]
+    kind = "jsonl" if base in JSONL_SUFFIXES else "parquet" if base in PARQUET_SUFFIXES and not compression \
+        else "text" if base in TEXT_SUFFIXES else None
+    return None if kind is None else Source(f, kind, compression, f.stat().st_size, given)
+
+
+def _check_parquet(path: Path, column: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.ParquetFile(path).schema_arrow
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{path} is not a Parquet file pyarrow can read ({str(e).splitlines()[0]})") from None
+    if column not in schema.names:
+        raise UserError(f"{path} has no column {column!r} (its columns: {', '.join(schema.names)}); name the text "
+                        f"column with --field")
+    t = schema.field(column).type
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t)
+            or getattr(pa.types, "is_string_view", lambda _: False)(t)):
+        raise UserError(f"column {column!r} of {path} holds {t}, not text; name the text column with --field")
+
+
+def _open(path: Path, compression: str | None, raw) -> io.BufferedIOBase:
+    if compression == "gzip":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if compression == "zstd":
+        try:
+            from compression import zstd  # Python 3.14+
+
+            return zstd.ZstdFile(raw)
+        except ImportError:
+            pass
+        try:
+            import zstandard
+        except ImportError:
+            raise UserError(f"{path} is zstd-compressed; install zstandard (pip install zstandard) or give it "
+                            f"decompressed") from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
+    return raw
+
+
+def _documents(src: Source, column: str) -> Iterator[tuple[str, int]]:
+    """(text, bytes of the file read since the document before) for each document of `src`."""
+    if src.kind == "parquet":
+        yield from _parquet_documents(src, column)
+        return
+    with open(src.path, "rb") as raw:
+        try:
+            stream = _open(src.path, src.compression, raw)
+            if src.kind == "text":
+                text = stream.read().decode("utf-8", errors="replace")
+                if text:  # an empty file in a folder is no document (a named one was refused)
+                    yield text, src.size
+                return
+            yield from _jsonl_documents(src, column, stream, raw)
+        except UserError:
+            raise
+        except (EOFError, OSError, ValueError) as e:  # gzip.BadGzipFile, zlib.error, a truncated stream
+            what = f"is not valid {src.compression}" if src.compression else "could not be read"
+            raise UserError(f"{src.path} {what} ({e}); check the file") from None
+        except Exception as e:
+            if type(e).__name__ != "ZstdError":  # zstandard's own, not an OSError
+                raise
+            raise UserError(f"{src.path} is not valid zstd ({e}); check the file") from None
+
+
+def _jsonl_documents(src: Source, column: str, stream, raw) -> Iterator[tuple[str, int]]:
+    last = 0
+    for n, line in enumerate(stream, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+            why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+            raise UserError(f"{src.path}, line {n}: not JSON ({why}); each line must be one JSON object with a "
+                       f"{column!r} string") from None
+        if not isinstance(obj, dict) or column not in obj:
+            has = f"its fields: {', '.join(obj)}" if isinstance(obj, dict) else f"it is a {type(obj).__name__}"
+            raise UserError(f"{src.path}, line {n}: no field {column!r} ({has}); name the text field with --field")
+        text = obj[column]
+        if not isinstance(text, str):
+            raise UserError(f"{src.path}, line {n}: field {column!r} is {json.dumps(text)[:40]}, not a string; "
+                       f"name the text field with --field")
+        pos = raw.tell()
+        yield text, pos - last
+        last = pos
+
+
+def _parquet_documents(src: Source, column: str) -> Iterator[tuple[str, int]]:
+    import pyarrow.parquet as pq
+
+    f = pq.ParquetFile(src.path)
+    total, done, row = max(f.metadata.num_rows, 1), 0, 0
+    for batch in f.iter_batches(batch_size=4096, columns=[column]):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if text is None:
+                raise UserError(f"{src.path}, row {row}: column {column!r} is null; drop such rows or fill them")
+            read = src.size * row // total - done
+            done += read
+            yield text, read
+
+
+@dataclass
+class _Batch:
+    texts: list[str]
+    read: int  # bytes of input files behind these documents
+
+
+def _batches(sources: list[Source], column: str, batch_bytes: int) -> Iterator[_Batch]:
+    texts, chars, read = [], 0, 0
+    for src in sources:
+        for text, n in _documents(src, column):
+            texts.append(text)
+            chars += len(text)
+            read += n
+            src.documents += 1
+            if chars >= batch_bytes:
+                yield _Batch(texts, read)
+                texts, chars, read = [], 0, 0
+        if src.given and src.documents == 0:
+            raise UserError(f"{src.path} holds no documents; give files that hold documents")
+    if texts:
+        yield _Batch(texts, read)
+
+
+def _ahead(items: Iterator, depth: int) -> Iterator:
+    """`items`, produced by a background thread up to `depth` ahead; its exceptions raised here."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop, end = threading.Event(), object()
+
+    def put(item) -> bool:  # False once the consumer has left
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work():
+        try:
+            for item in chain(items, [end]):
+                if not put(item):
+                    return
+        except BaseException as e:  # handed to the consumer: a dead stage must not hang it
+            put(e)
+        finally:
+            if hasattr(items, "close"):  # a stage feeding this one stops too
+                items.close()
+
+    thread = threading.Thread(target=work, daemon=True, name="zerodp-prepare-stage")
+    thread.start()
+    try:
+        while (item := q.get()) is not end:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+def val_mask(seed: int, first: int, n: int, val_fraction: float) -> np.ndarray:
+    """Whether documents first..first+n-1 go to val: splitmix64 of (seed, index) as u in [0, 1), below
+    val_fraction. A pure function of (seed, index): batching and worker count cannot change it."""
+    golden = 0x9E3779B97F4A7C15
+    base = np.uint64((seed * golden) % (1 << 64))
+    x = base + (np.arange(first, first + n, dtype=np.uint64) + np.uint64(1)) * np.uint64(golden)  # wraps mod 2^64
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < val_fraction
+
+
+def _not_replaceable(folder: Path) -> str | None:
+    try:
+        if json.loads((folder / META).read_text()).get("format") == FORMAT:
+            return None
+    except (OSError, ValueError, AttributeError):
+        pass
+    names = sorted(p.name for p in folder.iterdir())
+    return f"holds {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}, which zerodp prepare did not write"
+
+
+def command_line(opts: PrepareOptions) -> str:
+    """The command that makes this output again (what meta.json records)."""
+    import shlex
+
+    args = ["zerodp", "prepare", *opts.inputs, "--tokenizer", opts.tokenizer, "--out", opts.out,
+            "--field", opts.field, "--val-fraction", repr(opts.val_fraction), "--seed", str(opts.seed)]
+    args += ["--eot", opts.eot] if opts.eot is not None else []
+    args += [] if opts.special_tokens else ["--no-special-tokens"]
+    return shlex.join(args)
+
+
+def prepare(opts: PrepareOptions) -> dict:
+    """Tokenize `opts.inputs` into `opts.out` (see the module docstring); return the meta.json written.
+    Every check that needs no encoding (tokenizer, inputs, Parquet columns, output folder) comes first."""
+    if not 0.0 <= opts.val_fraction < 1.0:
+        raise UserError(f"--val-fraction {opts.val_fraction} must be in [0, 1); 0 writes an empty val.bin")
+    if opts.batch_bytes < 1:
+        raise UserError(f"--batch-mb must be positive, got {opts.batch_bytes / 1e6:g}")
+    tok = load_tokenizer(opts.tokenizer, opts.eot)
+    sources = find_sources(opts.inputs, opts.field)
+    given = [Path(i) for i in opts.inputs if i != "builtin"]  # folders too: DIR must not lie inside one
+    check_output(opts.out, [tok.path, *given, *(s.path for s in sources)], opts.overwrite, "zerodp prepare",
+                 _not_replaceable)
+    t0 = time.time()
+    with staged(opts.out) as tmp:
+        counts = _encode_all(tok, sources, opts, tmp)
+        if counts["train"]["documents"] == 0:
+            raise UserError(f"all {counts['val']['documents']} documents fell in the val split (--val-fraction "
+                            f"{opts.val_fraction}); lower it or give more documents")
+        meta = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "zerodp_version": __version__,
+            "tokenizer": {"path": str(tok.path.resolve()), "sha256": tok.sha256},
+            "vocab_size": tok.vocab_size, "dtype": tok.dtype.name,
+            "eot_id": tok.eot_id, "eot_token": tok.eot_token, "special_tokens": opts.special_tokens,
+            "field": opts.field, "val_fraction": opts.val_fraction, "seed": opts.seed,
+            "splits": {s: {"file": f"{s}.bin", **counts[s]} for s in SPLITS},
+            "documents": sum(counts[s]["documents"] for s in SPLITS),
+            "tokens": sum(counts[s]["tokens"] for s in SPLITS),
+            "sources": [{"path": str(s.path.resolve()), "kind": s.kind, "bytes": s.size, "documents": s.documents}
+                        for s in sources],
+            "bytes": sum(s.size for s in sources),
+            "seconds": round(time.time() - t0, 3),
+            "command": command_line(opts),
+        }
+        (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def _encode_all(tok: Tok, sources: list[Source], opts: PrepareOptions, out: Path) -> dict:
+    from tqdm import tqdm
+
+    encode = getattr(tok.tokenizer, "encode_batch_fast", tok.tokenizer.encode_batch)  # the same ids, no offsets
+    counts = {s: {"documents": 0, "tokens": 0} for s in SPLITS}
+    first = 0  # index of the batch's first document over all inputs
+    # Three stages, each in its own thread: parse (reader), encode (Rust, every core, the GIL released),
+    # and here ids -> numpy -> files, which holds the GIL and so overlaps the next batch's encoding.
+    # The library's Encoding objects take ~200 bytes a token (~50x the text): at most two batches of
+    # them exist at once, the one being encoded and the one whose ids are being taken here.
+    alive = threading.Semaphore(ALIVE)
+
+    def encode_stage(batches):
+        for b in batches:
+            alive.acquire()
+            yield b, encode(b.texts, add_special_tokens=opts.special_tokens)
+
+    encoded = _ahead(encode_stage(_ahead(_batches(sources, opts.field, opts.batch_bytes), QUEUE_DEPTH)), 1)
+    bar = tqdm(total=sum(s.size for s in sources), unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
+               disable=None if opts.progress else True, leave=False, dynamic_ncols=True)
+    with open(out / "train.bin", "wb") as train, open(out / "val.bin", "wb") as val, bar:
+        try:
+            for batch, encodings in encoded:
+                ids = [e.ids for e in encodings]
+                del encodings
+                alive.release()
+                in_val, lengths = _write(tok, ids, val_mask(opts.seed, first, len(ids), opts.val_fraction), train, val)
+                first += len(ids)
+                for name, mask in (("train", ~in_val), ("val", in_val)):
+                    counts[name]["documents"] += int(mask.sum())
+                    counts[name]["tokens"] += int(lengths[mask].sum())
+                bar.update(batch.read)
+                bar.set_postfix_str(f"{first:,} docs, {counts['train']['tokens'] + counts['val']['tokens']:,} "
+                                    f"tokens", refresh=False)
+        finally:
+            for _ in range(ALIVE):  # an encoder waiting for a slot wakes, finds the consumer gone and leaves
+                alive.release()
+    if first == 0:
+        raise UserError(f"the inputs hold no documents ({', '.join(opts.inputs)}); give files with text")
+    return counts
+
+
+def _write(tok: Tok, ids: list[list[int]], in_val: np.ndarray, train, val) -> tuple[np.ndarray, np.ndarray]:
+    """Append each document's ids and the separator to train or val; return (in_val, tokens per document)."""
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    flat = np.concatenate([np.array(x, dtype=tok.dtype) for x in ids]) if ids else np.zeros(0, tok.dtype)
+    if tok.eot_id is not None:  # after each document: before index cumsum(lengths) of flat
+        flat = np.insert(flat, np.cumsum(lengths), tok.dtype.type(tok.eot_id))
+        lengths += 1
+    per_token = np.repeat(in_val, lengths)
+    flat[~per_token].tofile(train)
+    flat[per_token].tofile(val)
+    return in_val, lengths

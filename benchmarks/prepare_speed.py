@@ -17,7 +17,7 @@ each, prepare's ratio to encode_batch (target >= 0.9) and prepare's peak RSS aga
 Then the corpus grows to --rss-mb and prepare runs once more (target: input >= 10x peak RSS, and the
 same peak as on the small corpus: memory does not grow with the input).
 
-    python benchmarks/prepare_speed.py                                 # 200 MB, then 1.2 GB; vocab 8192
+    python benchmarks/prepare_speed.py                                 # 200 MB, then 1.5 GB; vocab 8192
     python benchmarks/prepare_speed.py --mb 50 --repeats 1 --rss-mb 0  # quicker
 """
 
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--max-doc-kb", type=float, default=100,
                     help="leave out stdlib files larger than this (default 100 KB, web-document sizes): the "
                          "peak RSS grows with the largest document, which the tokenizer encodes whole")
-    ap.add_argument("--rss-mb", type=float, default=1200,
+    ap.add_argument("--rss-mb", type=float, default=1500,
                     help="then grow the corpus to this size and run prepare alone once more: its peak RSS against "
                          "the first run's shows whether memory grows with the input (0: skip)")
     ap.add_argument("--dir", default=None, help="work folder (default: a new temporary one, deleted at the end)")
@@ -123,8 +123,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         corpus, tok, out = work / "corpus.jsonl", work / "tokenizer.json", work / "out"
-        if not corpus.exists() or corpus.stat().st_size < args.mb * MB:
-            build_corpus(corpus, args.mb, args.max_doc_kb)
+        build_corpus(corpus, args.mb, args.max_doc_kb)
         size = corpus.stat().st_size
         if not tok.exists():
             t0 = time.time()

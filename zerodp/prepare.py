@@ -279,14 +279,14 @@ def _jsonl_documents(src: Source, column: str, stream, raw) -> Iterator[tuple[st
         except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
             why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
             raise UserError(f"{src.path}, line {n}: not JSON ({why}); each line must be one JSON object with a "
-                       f"{column!r} string") from None
+                            f"{column!r} string") from None
         if not isinstance(obj, dict) or column not in obj:
             has = f"its fields: {', '.join(obj)}" if isinstance(obj, dict) else f"it is a {type(obj).__name__}"
             raise UserError(f"{src.path}, line {n}: no field {column!r} ({has}); name the text field with --field")
         text = obj[column]
         if not isinstance(text, str):
             raise UserError(f"{src.path}, line {n}: field {column!r} is {json.dumps(text)[:40]}, not a string; "
-                       f"name the text field with --field")
+                            f"name the text field with --field")
         pos = raw.tell()
         yield text, pos - last
         last = pos

@@ -9,11 +9,18 @@ Sources: 'builtin' (the Python standard library's own source files, present wher
 data.max_bytes), a text file, a folder of text files (both read whole; all three byte-level: token =
 byte, vocabulary 256), or a pre-tokenized token file (.bin, nanoGPT's layout: a flat array of uint16 or
 uint32 token ids). What a text source gave (files, bytes, tokens) is said once on stderr.
+
+A folder written by `zerodp prepare` (it holds meta.json with format "zerodp-prepare") gives its own
+splits: train.bin for training and val.bin for validation (data.val_fraction and data.token_dtype are
+not used; meta.json says the dtype). model.vocab_size must be at least meta.json's vocab_size. A val.bin
+too short for one block is an error while train.eval_every > 0 (re-prepare with a larger
+--val-fraction, or set train.eval_every=0).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import queue
 import socket
@@ -22,6 +29,7 @@ import sysconfig
 import threading
 import uuid
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -113,10 +121,78 @@ def _say_what_was_read(cfg: Config, plan: list[tuple[Path, int]], n_files: int, 
           f"byte-level tokens" + (f" ({'; '.join(notes)})" if notes else ""), file=sys.stderr, flush=True)
 
 
-def load_tokens(cfg: Config) -> np.ndarray:
-    """The whole token stream as a read-only memmap. For a text source, rank 0 (or a process without
-    a process group) says on stderr what was read: files, bytes and tokens."""
+PREPARED_FORMAT = "zerodp-prepare"  # zerodp.prepare.FORMAT (not imported: that module loads tokenizers)
+
+
+def prepared_meta(source: str) -> dict | None:
+    """meta.json of a `zerodp prepare` folder, or None when `source` is not one."""
+    meta_file = Path(source) / "meta.json"
+    if source == "builtin" or not meta_file.is_file():
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == PREPARED_FORMAT else None
+
+
+@dataclass
+class PreparedTokens:
+    """The two splits of a `zerodp prepare` folder, as read-only memmaps (either may be empty)."""
+
+    folder: Path
+    meta: dict
+    train: np.ndarray
+    val: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.train) + len(self.val)
+
+
+def _split_file(folder: Path, meta: dict, split: str, dtype: np.dtype) -> np.ndarray:
+    name = (meta.get("splits") or {}).get(split, {}).get("file", f"{split}.bin")
+    path = folder / name
+    if not path.is_file():
+        raise UserError(f"{path} not found, though {folder / 'meta.json'} lists it; run zerodp prepare again")
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise UserError(f"{path} is not a whole number of {dtype.name} tokens (meta.json's dtype); "
+                        f"run zerodp prepare again")
+    return np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
+
+
+def _load_prepared(cfg: Config, folder: Path, meta: dict) -> PreparedTokens:
+    vocab = int(meta.get("vocab_size") or 0)
+    if cfg.model.vocab_size < vocab:
+        raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
+                        f"{folder} (meta.json vocab_size={vocab}); set model.vocab_size >= {vocab}")
+    dtype = meta.get("dtype")
+    if dtype not in ("uint16", "uint32"):
+        raise UserError(f"{folder / 'meta.json'} gives dtype={dtype!r}, not uint16 or uint32; "
+                        f"run zerodp prepare again")
+    data = PreparedTokens(folder, meta, *(_split_file(folder, meta, s, np.dtype(dtype)) for s in ("train", "val")))
+    if len(data.train) == 0:
+        raise UserError(f"{folder / 'train.bin'} is empty; prepare more documents")
+    for split in (data.train, data.val):
+        _check_ids(split, cfg, folder)
+    return data
+
+
+def _check_ids(tokens: np.ndarray, cfg: Config, path: Path) -> None:
+    sample_max = int(tokens[: 1 << 20].max()) if len(tokens) else 0
+    if sample_max >= cfg.model.vocab_size:
+        raise UserError(f"{path} holds token id {sample_max} >= model.vocab_size={cfg.model.vocab_size}; "
+                        f"raise model.vocab_size or check data.token_dtype")
+
+
+def load_tokens(cfg: Config) -> np.ndarray | PreparedTokens:
+    """The whole token stream as a read-only memmap, or for a `zerodp prepare` folder its two splits.
+    For a text source, rank 0 (or a process without a process group) says on stderr what was read:
+    files, bytes and tokens."""
     src = cfg.data.source
+    meta = prepared_meta(src)
+    if meta is not None:
+        return _load_prepared(cfg, Path(src), meta)
     if src != "builtin" and src.endswith(".bin"):
         path, dtype = Path(src), np.dtype(cfg.data.token_dtype)
         if not path.is_file():
@@ -137,20 +213,28 @@ def load_tokens(cfg: Config) -> np.ndarray:
         tokens = np.memmap(path, dtype=np.uint16, mode="r")
         if _on_rank0():
             _say_what_was_read(cfg, plan, n_files, len(tokens), cached)
-    sample_max = int(tokens[: 1 << 20].max()) if len(tokens) else 0
-    if sample_max >= cfg.model.vocab_size:
-        raise UserError(f"{path} holds token id {sample_max} >= model.vocab_size={cfg.model.vocab_size}; "
-                        f"raise model.vocab_size or check data.token_dtype")
+    _check_ids(tokens, cfg, path)
     return tokens
 
 
 class TokenBatches:
-    """Deterministic batches from one split (train or val) of the token stream."""
+    """Deterministic batches from one split (train or val) of the token stream: a prepared folder's
+    train.bin or val.bin, else the stream less its last data.val_fraction, or that last part."""
 
-    def __init__(self, tokens: np.ndarray, cfg: Config, split: str):
-        n_val = int(len(tokens) * cfg.data.val_fraction)
-        self.tokens = tokens[: len(tokens) - n_val] if split == "train" else tokens[len(tokens) - n_val :]
+    def __init__(self, tokens: np.ndarray | PreparedTokens, cfg: Config, split: str):
         self.block = cfg.model.block_size
+        if isinstance(tokens, PreparedTokens):
+            self.tokens = tokens.train if split == "train" else tokens.val
+            if split == "val" and len(self.tokens) <= self.block + 1 and cfg.train.eval_every:
+                raise UserError(f"{tokens.folder / 'val.bin'} has {len(self.tokens)} tokens, fewer than "
+                                f"model.block_size+2={self.block + 2} for validation; run zerodp prepare with a "
+                                f"larger --val-fraction, or set train.eval_every=0")
+            if split == "val" and not cfg.train.eval_every:
+                # eval is off, so val is never read: a short val.bin is no error
+                self.tokens = self.tokens if len(self.tokens) > self.block + 1 else tokens.train
+        else:
+            n_val = int(len(tokens) * cfg.data.val_fraction)
+            self.tokens = tokens[: len(tokens) - n_val] if split == "train" else tokens[len(tokens) - n_val :]
         if len(self.tokens) <= self.block + 1:
             raise UserError(f"the {split} split has {len(self.tokens)} tokens, fewer than model.block_size+2="
                             f"{self.block + 2}; use more data or a smaller block_size / data.val_fraction")

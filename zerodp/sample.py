@@ -10,28 +10,66 @@ then broadcast from rank 0, so the ranks' sequences, and so their forwards, neve
 Sampling is DecoderLM.generate's (temperature 0.8, top-k 50, one multinomial draw per token, on the
 CPU from a generator seeded with train.seed): the same weights give the same tokens as `generate`
 on one process after `torch.manual_seed(train.seed)` (tests/test_sample.py).
+
+Text: for a `zerodp prepare` folder the sample is decoded with the tokenizer meta.json names (after its
+sha256 is checked; a tokenizer gone or changed gives the ids with a note saying why) and the prompt is
+the end-of-text token (the start of a new document), or "The" encoded when there is none; otherwise
+bytes for a byte-level vocabulary, else token ids.
 """
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from zerodp.config import Config
+from zerodp.data import prepared_meta
 from zerodp.dist import DistEnv
 
 TEMPERATURE = 0.8
 TOP_K = 50
 
 
+def tokenizer_of(meta: dict):
+    """(the `tokenizers.Tokenizer` a prepare meta.json names, None) when its file is there with the
+    recorded sha256; else (None, why not)."""
+    rec = meta.get("tokenizer") or {}
+    path = Path(rec.get("path") or "")
+    if not rec.get("path") or not path.is_file():
+        return None, f"tokenizer {rec.get('path')} not found"
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != rec.get("sha256"):
+        return None, f"tokenizer {path} changed since zerodp prepare (sha256 differs)"
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(data.decode("utf-8")), None
+
+
 def prompt_tokens(cfg: Config) -> list[int]:
-    """`def ` as bytes for a byte-level (or larger) vocabulary, else token 0."""
+    """For a prepared folder its end-of-text token (else "The" encoded, else token 0); `def ` as bytes
+    for a byte-level (or larger) vocabulary; else token 0."""
+    meta = prepared_meta(cfg.data.source)
+    if meta is not None:
+        if meta.get("eot_id") is not None:
+            return [int(meta["eot_id"])]
+        tok, _ = tokenizer_of(meta)
+        return (tok.encode("The", add_special_tokens=False).ids if tok is not None else None) or [0]
     return list(b"def ") if cfg.model.vocab_size >= 256 else [0]
 
 
 def decode(cfg: Config, tokens: list[int]) -> str:
-    """Text for a byte-level sample, else the token ids separated by spaces."""
+    """Text via a prepared folder's tokenizer; text for a byte-level sample; else the token ids
+    separated by spaces (for a prepared folder after a line saying why the tokenizer was not used)."""
+    meta = prepared_meta(cfg.data.source)
+    if meta is not None:
+        tok, why = tokenizer_of(meta)
+        if tok is not None:
+            return tok.decode(tokens, skip_special_tokens=False)
+        return f"({why}: token ids)\n" + " ".join(map(str, tokens))
     if cfg.model.vocab_size >= 256 and max(tokens) < 256:
         return bytes(tokens).decode("utf-8", errors="replace")
     return " ".join(map(str, tokens))

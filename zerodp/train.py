@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from zerodp import checkpoint, determinism
 from zerodp.config import Config, dump_yaml, lr_at
-from zerodp.data import TokenBatches, load_tokens, prefetch
+from zerodp.data import TokenBatches, load_tokens, prefetch, prepared_meta
 from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
 from zerodp.errors import PeerFailure, UserError
 from zerodp.faults import (DeviceProbe, Heartbeat, PeerWatch, Preemption, Stopwatch, StragglerMonitor,
@@ -95,8 +95,13 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, model: torch.nn.Module) -> dict:
-    """What conversion and resume need to know about a checkpoint, besides its files."""
+    """What conversion and resume need to know about a checkpoint, besides its files; for a `zerodp
+    prepare` folder also the tokenizer its meta.json names ({path, sha256}), which `zerodp convert
+    --to hf` copies into the export."""
+    prepared = prepared_meta(cfg.data.source)
+    tokenizer = {k: (prepared.get("tokenizer") or {}).get(k) for k in ("path", "sha256")} if prepared else None
     return {
+        **({"tokenizer": tokenizer} if tokenizer and tokenizer["path"] else {}),
         "strategy": strategy_name,
         "world_size": env.world_size,
         "layout": layout,

@@ -11,6 +11,7 @@ write their own names and layouts whatever the source's (zerodp/models/hf.py hol
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -83,16 +84,22 @@ def convert_output_kind(folder: Path) -> tuple[str | None, str]:
         listed = set(meta.get("files") or {}) | {"meta.json"}
         foreign = [p.name for p in entries if p.name not in listed or not p.is_file() or p.is_symlink()]
         return (None, f"holds {foreign[0]}, which zerodp convert did not write") if foreign else ("zerodp", "")
-    layouts = set()
+    layouts, tokenizer_files = set(), {}
     for p in entries:
         if p.name == HF_CONFIG and p.is_file() and not p.is_symlink():
             continue
+        if p.name in TOKENIZER_FILES and p.is_file() and not p.is_symlink():
+            continue  # checked below against the sha256 the weights' metadata records
         if not _EXPORT_NAME.fullmatch(p.name) or not p.is_file() or p.is_symlink():
             return None, f"holds {p.name}, which zerodp convert did not write"
         md = _index_metadata(p) if p.name == INDEX else _header_metadata(p)
         if "zerodp.source" not in md:
             return None, f"holds {p.name}, which zerodp convert did not write (no zerodp.source in its metadata)"
         layouts.add(md.get("zerodp.layout"))
+        tokenizer_files.update(json.loads(md.get("zerodp.tokenizer_files") or "{}"))
+    for p in entries:
+        if p.name in TOKENIZER_FILES and tokenizer_files.get(p.name) != hashlib.sha256(p.read_bytes()).hexdigest():
+            return None, f"holds {p.name}, which zerodp convert did not write (or which was changed since)"
     if not layouts:
         return None, f"holds {HF_CONFIG}, which zerodp convert did not write (no weights of ours beside it)"
     kind = "hf" if layouts == {"hf"} and (folder / HF_CONFIG).is_file() else "safetensors"
@@ -241,6 +248,10 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     check_destination(dst, "hf", overwrite, _read_paths(source))
     tied = {to_hf(a.family, alias)[0]: to_hf(a.family, stored)[0] for alias, stored in a.tied_weights().items()}
     metadata = _source_metadata(source, "hf", tied, {"model": model})
+    tokenizer_files = _tokenizer_files(source)
+    if tokenizer_files:  # what lets --overwrite recognise them as ours (convert_output_kind)
+        metadata["zerodp.tokenizer_files"] = json.dumps(
+            {n: hashlib.sha256(d).hexdigest() for n, d in tokenizer_files.items()}, sort_keys=True)
 
     def fetch(hf_name: str) -> torch.Tensor:
         name, shape, transform = back[hf_name]
@@ -253,7 +264,38 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     with staged(dst) as out, _progress(total, "convert", progress) as bar:
         (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         files = [HF_CONFIG, *_write_shards(out, shards, infos, fetch, metadata, bar)]
+        for name, data in tokenizer_files.items():
+            (out / name).write_bytes(data)
+            files.append(name)
     return [dst / name for name in files]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _tokenizer_files(source: CheckpointSource) -> dict[str, bytes]:
+    """{file name: bytes} of the tokenizer the checkpoint records (meta "tokenizer": {path, sha256},
+    written by training on a `zerodp prepare` folder): its tokenizer.json, and the tokenizer_config.json
+    beside it if there is one. A tokenizer gone or changed since training is said on stderr and left out:
+    the weights are still exported."""
+    rec = source.meta.get("tokenizer") or {}
+    if not rec.get("path"):
+        return {}
+    path = Path(rec["path"])
+    if not path.is_file():
+        print(f"zerodp: tokenizer {path} (recorded by the checkpoint) not found; the export has no tokenizer.json",
+              file=sys.stderr)
+        return {}
+    data = path.read_bytes()
+    if rec.get("sha256") and hashlib.sha256(data).hexdigest() != rec["sha256"]:
+        print(f"zerodp: tokenizer {path} changed since training (sha256 differs); the export has no tokenizer.json",
+              file=sys.stderr)
+        return {}
+    found = {TOKENIZER_FILES[0]: data}
+    config = path.parent / TOKENIZER_FILES[1]
+    if config.is_file():
+        found[TOKENIZER_FILES[1]] = config.read_bytes()
+    return found
 
 
 def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = None, progress: bool = True,

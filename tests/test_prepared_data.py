@@ -1,0 +1,161 @@
+"""Training on a `zerodp prepare` folder: batches from train.bin / val.bin, the sample decoded with the
+tokenizer, the tokenizer recorded in the checkpoint and copied into a --to hf export; bad inputs are one
+line on stderr with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import TINY
+from tests.harness import ROOT
+from tests.reference import LLAMA, reference_run
+from tests.text_fixtures import stdlib_texts, train_bpe, write_jsonl
+from zerodp.config import load_config
+from zerodp.data import PreparedTokens, TokenBatches, load_tokens
+from zerodp.prepare import PrepareOptions, prepare
+from zerodp.sample import decode, prompt_tokens
+
+STEPS = 3
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "zerodp", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def overrides(data_dir, out_dir, vocab, *more):
+    return [*TINY, *LLAMA, f"data.source={data_dir}", f"model.vocab_size={vocab}", f"train.max_steps={STEPS}",
+            f"train.out_dir={out_dir}", *more]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prepared")
+    tok = train_bpe(root / "tok" / "tokenizer.json", vocab_size=400, n_files=20)
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    docs = write_jsonl(root / "docs.jsonl", stdlib_texts(30))
+    meta = prepare(PrepareOptions(inputs=[str(docs)], tokenizer=str(tok), out=str(root / "data"),
+                   val_fraction=0.2, progress=False))
+    return root, tok, meta
+
+
+@pytest.fixture(scope="module")
+def trained(prepared):
+    """3 steps through the CLI, with a checkpoint at the end and the end-of-run sample."""
+    root, tok, meta = prepared
+    out = root / "run"
+    r = cli("train", "configs/tiny.yaml", *overrides(root / "data", out, meta["vocab_size"],
+            "train.sample_tokens=12", "train.eval_every=3", f"checkpoint.every={STEPS}"))
+    assert r.returncode == 0, r.stderr
+    return out, r
+
+
+def test_batches_come_from_train_bin_and_val_bin(prepared, tmp_path):
+    root, _, meta = prepared
+    cfg = load_config("configs/tiny.yaml", overrides(root / "data", tmp_path, meta["vocab_size"]))
+    data = load_tokens(cfg)
+    assert isinstance(data, PreparedTokens)
+    dtype = np.dtype(meta["dtype"])
+    train_bin = np.fromfile(root / "data" / "train.bin", dtype=dtype)
+    val_bin = np.fromfile(root / "data" / "val.bin", dtype=dtype)
+    assert len(train_bin) == meta["splits"]["train"]["tokens"] > 0
+    assert len(val_bin) == meta["splits"]["val"]["tokens"] > 0
+    T, G = cfg.model.block_size, cfg.train.global_batch_size
+    for split, stream in (("train", train_bin), ("val", val_bin)):
+        batches = TokenBatches(data, cfg, split)
+        offsets = batches.offsets(0, G)
+        assert offsets.max() < len(stream) - T - 1
+        x, y = batches.rows(offsets)
+        assert x.tolist() == [stream[o : o + T].tolist() for o in offsets]
+        assert y.tolist() == [stream[o + 1 : o + T + 1].tolist() for o in offsets]
+    # rank 1 of 2 takes the second half of the same global batch: independent of world size
+    x0, _ = TokenBatches(data, cfg, "train").rows(TokenBatches(data, cfg, "train").offsets(0, G))
+    micro = TokenBatches(data, cfg, "train").rank_micro_batches(0, G, 2, rank=1, world=2)
+    assert np.array_equal(np.concatenate([m[0].numpy() for m in micro]), x0[G // 2 :].numpy())
+
+
+def test_training_reads_the_prepared_folder(prepared, trained):
+    root, tok, meta = prepared
+    out, r = trained
+    cfg = load_config("configs/tiny.yaml", overrides(root / "data", out, meta["vocab_size"]))
+    expected, _ = reference_run(cfg)  # one process, the full batch of each step from train.bin
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [rec["loss"] for rec in records if "loss" in rec]
+    assert len(losses) == STEPS
+    assert np.allclose(losses, expected, atol=1e-4), (losses, expected)
+    assert np.isfinite(records[-1]["val_loss"])
+    ckpt_meta = json.loads(next(out.glob("checkpoints/step_*/meta.json")).read_text())
+    assert ckpt_meta["tokenizer"] == meta["tokenizer"]
+
+
+def test_sample_is_decoded_with_the_tokenizer(prepared, trained):
+    from tokenizers import Tokenizer
+
+    root, tok, meta = prepared
+    _, r = trained
+    text = r.stderr.split("sample:\n", 1)[1]
+    assert "<|endoftext|>" in text  # the prompt: the end-of-text token, decoded
+    cfg = load_config("configs/tiny.yaml", overrides(root / "data", root, meta["vocab_size"]))
+    assert prompt_tokens(cfg) == [meta["eot_id"]]
+    ids = Tokenizer.from_file(str(tok)).encode("def main():\n    return 1").ids
+    assert decode(cfg, ids) == "def main():\n    return 1"
+
+
+def test_sample_falls_back_to_ids_when_the_tokenizer_changed(prepared, tmp_path):
+    root, tok, meta = prepared
+    data = tmp_path / "data"
+    shutil.copytree(root / "data", data)
+    m = json.loads((data / "meta.json").read_text())
+    m["tokenizer"]["sha256"] = "0" * 64
+    (data / "meta.json").write_text(json.dumps(m))
+    cfg = load_config("configs/tiny.yaml", overrides(data, tmp_path, meta["vocab_size"]))
+    assert decode(cfg, [5, 7]) == f"(tokenizer {tok} changed since zerodp prepare (sha256 differs): token ids)\n5 7"
+
+
+def test_vocab_too_small_is_one_line_exit_2(prepared, tmp_path):
+    root, _, meta = prepared
+    r = cli("train", "configs/tiny.yaml", *overrides(root / "data", tmp_path / "run", 300))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "model.vocab_size=300" in lines[0] and f"vocab_size={meta['vocab_size']}" in lines[0]
+    assert f"set model.vocab_size >= {meta['vocab_size']}" in lines[0]
+
+
+def test_dry_run_reads_both_splits(prepared, tmp_path):
+    root, _, meta = prepared
+    r = cli("train", "--dry-run", "configs/tiny.yaml", *overrides(root / "data", tmp_path / "run", meta["vocab_size"]))
+    assert r.returncode == 0, r.stderr
+    assert f"# data: {meta['tokens']:,} tokens from {root / 'data'}" in r.stdout
+
+
+def test_empty_val_with_eval_on_is_one_line_exit_2(prepared, tmp_path):
+    root, _, meta = prepared
+    data = tmp_path / "data"
+    shutil.copytree(root / "data", data)
+    (data / "val.bin").write_bytes(b"")
+    r = cli("train", "configs/tiny.yaml", *overrides(data, tmp_path / "run", meta["vocab_size"], "train.eval_every=2"))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "val.bin has 0 tokens" in lines[0] and "train.eval_every=0" in lines[0], r.stderr
+    # eval off: val.bin is never read, so an empty one is no error
+    cfg = load_config("configs/tiny.yaml", overrides(data, tmp_path / "run", meta["vocab_size"]))
+    TokenBatches(load_tokens(cfg), cfg, "val")
+
+
+def test_hf_export_holds_the_tokenizer(prepared, trained):
+    root, tok, _ = prepared
+    out, _ = trained
+    dst = root / "hf"
+    r = cli("convert", out, dst, "--to", "hf", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert (dst / "tokenizer.json").read_bytes() == tok.read_bytes()
+    assert (dst / "tokenizer_config.json").read_bytes() == (tok.parent / "tokenizer_config.json").read_bytes()
+    r = cli("convert", out, dst, "--to", "hf", "--no-progress", "--overwrite")  # still recognised as ours
+    assert r.returncode == 0, r.stderr

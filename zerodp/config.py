@@ -78,11 +78,13 @@ class ModelConfig:
 class DataConfig:
     source: str = "builtin"
     """'builtin' (the Python standard library's source, byte-level), a text file, a folder of text
-    files, or a pre-tokenized token file (.bin, nanoGPT layout)."""
+    files, a pre-tokenized token file (.bin, nanoGPT layout), or a `zerodp prepare` folder (train.bin,
+    val.bin and meta.json: dtype, vocabulary and tokenizer come from meta.json; docs/data.md)."""
     token_dtype: str = "uint16"
-    """Element type of a pre-tokenized .bin file: uint16 or uint32."""
+    """Element type of a pre-tokenized .bin file: uint16 or uint32 (a prepare folder says its own)."""
     val_fraction: float = 0.05
-    """Fraction of the tokens held out for validation (taken from the end of the stream)."""
+    """Fraction of the tokens held out for validation (taken from the end of the stream; a prepare
+    folder has its own val.bin)."""
     cache_dir: Optional[str] = None
     """Where tokenized data is cached as a memory-mapped file; default ~/.cache/zerodp."""
     max_bytes: int = 4_000_000

@@ -12,7 +12,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from zerodp.convert.full_state import FullState  # noqa: F401  (what load_full receives)
-from zerodp.models import materialise  # noqa: F401  (what the replicated strategies build with)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -15,10 +15,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from zerodp.models import materialise
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (FullState, autocast_context, load_full_replicated, load_replicated,
-                                      materialise, replicated_state_bytes, replicated_step, save_replicated)
+                                      replicated_state_bytes, replicated_step, save_replicated)
 
 
 class DDPStrategy:

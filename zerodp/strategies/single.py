@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zerodp.models import materialise
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (FullState, autocast_context, load_full_replicated, load_replicated,
-                                      materialise, replicated_state_bytes, replicated_step, save_replicated)
+                                      replicated_state_bytes, replicated_step, save_replicated)
 
 
 class SingleStrategy:

@@ -202,8 +202,6 @@ class ZeroStrategy:
                 values = model.initial_values(name, seed, start, stop)
                 _copy_range(p.ds_tensor, values)
                 _copy_range(zero_opt._get_fp32_opt_state_partition(p, False)[0], values)
-                if _is_persistent(p):  # small: its full values exist anyway
-                    _refresh_persistent(p, model.initial_values(name, seed))
             else:
                 safe_set_full_fp32_param(p, model.initial_values(name, seed).view(p.shape))
 
@@ -322,10 +320,11 @@ class ZeroStrategy:
             for name, p in self.module.named_parameters():
                 shape = p.ds_shape if self.stage == 3 else p.shape
                 full = state.get(name, "param", shape)
-                if self.stage == 3:  # p holds nothing (or a persistent full copy); its partition is p.ds_tensor
-                    _copy_partition(p.ds_tensor, full, rank)
-                    _copy_partition(zero_opt._get_fp32_opt_state_partition(p, False)[0], full, rank)
-                    _refresh_persistent(p, full)
+                if self.stage == 3:  # p holds nothing; its partition is p.ds_tensor
+                    start, stop = _partition_range(p, rank)
+                    piece = full.flatten()[start:stop]
+                    _copy_range(p.ds_tensor, piece)
+                    _copy_range(zero_opt._get_fp32_opt_state_partition(p, False)[0], piece)
                 else:  # replicated 16-bit (or fp32) working copy + this rank's fp32 master fragment
                     p.data.copy_(full.to(p.dtype))
                     safe_set_full_fp32_param(p, full)
@@ -334,7 +333,8 @@ class ZeroStrategy:
                 for kind in ("exp_avg", "exp_avg_sq"):
                     value = state.get(name, kind, shape)
                     if self.stage == 3:
-                        _copy_partition(zero_opt._get_fp32_opt_state_partition(p, False, kind)[0], value, rank)
+                        _copy_range(zero_opt._get_fp32_opt_state_partition(p, False, kind)[0],
+                                    value.flatten()[start:stop])
                     else:
                         safe_set_full_optimizer_state(p, value, kind)
         self._skipped_steps = _skipped_steps(state.source) if state.with_optimizer else 0
@@ -417,28 +417,6 @@ def _copy_range(target: torch.Tensor, values: torch.Tensor) -> None:
     """Copy a partition's elements into `target`, zeroing the padding past them."""
     target.zero_()
     target.view(-1)[: values.numel()].copy_(values.to(target.dtype))
-
-
-def _is_persistent(p: torch.Tensor) -> bool:
-    """ZeRO-3 keeps parameters below stage3_param_persistence_threshold gathered for good: their full
-    copy in p.data is what the forward reads, not the partition."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return p.ds_status == ZeroParamStatus.AVAILABLE
-
-
-def _refresh_persistent(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Write a persistent parameter's gathered copy too, or the next forward reads the old values."""
-    if _is_persistent(p):
-        p.data.copy_(full.view(p.ds_shape).to(p.dtype))
-
-
-def _copy_partition(target: torch.Tensor, full: torch.Tensor, rank: int) -> None:
-    """Copy this rank's ZeRO-3 chunk of `full` into `target` (padding zeroed)."""
-    size = target.numel()
-    flat = full.flatten()
-    start = min(rank * size, flat.numel())
-    _copy_range(target, flat[start : start + size])
 
 
 def _kind(attr: str) -> str:

@@ -91,7 +91,8 @@ def test_training_reads_the_prepared_folder(prepared, trained):
     assert np.allclose(losses, expected, atol=1e-4), (losses, expected)
     assert np.isfinite(records[-1]["val_loss"])
     ckpt_meta = json.loads(next(out.glob("checkpoints/step_*/meta.json")).read_text())
-    assert ckpt_meta["tokenizer"] == meta["tokenizer"]
+    assert {k: ckpt_meta["tokenizer"][k] for k in ("path", "sha256")} == meta["tokenizer"]
+    assert ckpt_meta["tokenizer"]["eot_id"] == meta["eot_id"]
 
 
 def test_sample_is_decoded_with_the_tokenizer(prepared, trained):
@@ -149,13 +150,108 @@ def test_empty_val_with_eval_on_is_one_line_exit_2(prepared, tmp_path):
     TokenBatches(load_tokens(cfg), cfg, "val")
 
 
-def test_hf_export_holds_the_tokenizer(prepared, trained):
-    root, tok, _ = prepared
+@pytest.fixture(scope="module")
+def exported(prepared, trained):
+    root, _, _ = prepared
     out, _ = trained
     dst = root / "hf"
     r = cli("convert", out, dst, "--to", "hf", "--no-progress")
     assert r.returncode == 0, r.stderr
+    return dst
+
+
+def test_hf_export_holds_the_tokenizer(prepared, trained, exported):
+    root, tok, meta = prepared
+    out, _ = trained
+    dst = exported
     assert (dst / "tokenizer.json").read_bytes() == tok.read_bytes()
     assert (dst / "tokenizer_config.json").read_bytes() == (tok.parent / "tokenizer_config.json").read_bytes()
+    assert json.loads((dst / "config.json").read_text())["eos_token_id"] == meta["eot_id"]
     r = cli("convert", out, dst, "--to", "hf", "--no-progress", "--overwrite")  # still recognised as ours
     assert r.returncode == 0, r.stderr
+    # --to safetensors keeps the tokenizer record: a later --to hf of that file still carries the tokenizer
+    st = root / "weights.safetensors"
+    assert cli("convert", out, st, "--to", "safetensors", "--no-progress").returncode == 0
+    r = cli("convert", st, root / "hf2", "--to", "hf", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert (root / "hf2" / "tokenizer.json").read_bytes() == tok.read_bytes()
+
+
+def test_generate_continues_as_the_run_sampled(prepared, trained):
+    """zerodp generate from the start of a document, with the run's seed and the sample's settings, prints
+    the end-of-run sample: the same weights loaded on one process give the same draws."""
+    out, r = trained
+    sample = r.stderr.split("sample:\n", 1)[1].rstrip("\n")
+    g = cli("generate", out, "--max-new-tokens", 12)
+    assert g.returncode == 0, g.stderr
+    assert sample == "<|endoftext|>" + g.stdout[:-1]
+    again = cli("generate", out, "--max-new-tokens", 12, "--prompt", "def ", "--seed", 5)
+    assert again.returncode == 0 and again.stdout.startswith("def ")
+    assert cli("generate", out, "--max-new-tokens", 12, "--prompt", "def ", "--seed", 5).stdout == again.stdout
+
+
+def test_eval_matches_transformers_on_the_export(prepared, trained, exported):
+    """zerodp eval's loss over val.bin equals the cross-entropy transformers computes with the --to hf
+    export on the same windows; the export evaluates the same as the run once its data is named."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    root, _, meta = prepared
+    out, _ = trained
+    r = cli("eval", out, "--json", "--batch-size", 3)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    val = np.fromfile(root / "data" / "val.bin", dtype=meta["dtype"]).astype(np.int64)
+    T = 32
+    windows = (len(val) - 1) // T
+    assert result["windows"] == windows and result["tokens"] == windows * T
+    model = AutoModelForCausalLM.from_pretrained(exported).eval()
+    buf = torch.from_numpy(np.stack([val[i * T : i * T + T + 1] for i in range(windows)]))
+    with torch.no_grad():
+        logits = model(buf[:, :-1]).logits
+    expected = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), buf[:, 1:].reshape(-1)).item()
+    assert abs(result["val_loss"] - expected) < 1e-4, (result, expected)
+    assert abs(result["perplexity"] - np.exp(expected)) < 1e-3 * np.exp(expected)
+    hf = cli("eval", exported, f"data.source={root / 'data'}", "--json")
+    assert hf.returncode == 0, hf.stderr
+    assert abs(json.loads(hf.stdout)["val_loss"] - result["val_loss"]) < 1e-5
+    bare = cli("eval", exported)  # an HF folder records no training data
+    assert bare.returncode == 2 and bare.stderr.count("\n") == 1 and "data.source=DIR" in bare.stderr
+
+
+def test_the_export_runs_in_the_text_generation_pipeline(prepared, exported):
+    """The export is a complete model folder: transformers' pipeline runs it as it is, and greedy decoding
+    there gives what zerodp generate --temperature 0 gives from the same context."""
+    from transformers import pipeline
+
+    root, _, meta = prepared
+    pipe = pipeline("text-generation", model=str(exported), device="cpu")
+    out = pipe("def ", max_new_tokens=8, do_sample=False, return_full_text=False)
+    g = cli("generate", exported, "--prompt", "def ", "--max-new-tokens", 8, "--temperature", 0)
+    assert g.returncode == 0, g.stderr
+    assert g.stdout.startswith("def ")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(exported / "tokenizer.json"))
+    context = [meta["eot_id"], *tok.encode("def ").ids]
+    hf_ids = pipe.model.generate(torch_tensor([context]), max_new_tokens=8, do_sample=False)[0, len(context):]
+    assert g.stdout[:-1] == "def " + tok.decode(hf_ids.tolist(), skip_special_tokens=False)
+    assert isinstance(out[0]["generated_text"], str)
+
+
+def torch_tensor(rows):
+    import torch
+
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def test_generate_and_eval_refuse_bad_input(prepared, trained, tmp_path):
+    out, _ = trained
+    for args, says in [(("generate", out, "--max-new-tokens", 0), "--max-new-tokens"),
+                       (("generate", tmp_path / "nothing"), "nothing"),
+                       (("generate", out, "--tokenizer", tmp_path), "tokenizer.json"),
+                       (("eval", out, "model.n_layer=3"), "data.*"),
+                       (("eval", out, "--batch-size", 0), "--batch-size")]:
+        r = cli(*args)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, (args, r.stderr)

@@ -51,22 +51,29 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     `config` (a `zerodp.config.ModelConfig`) describes the model where the checkpoint records none.
     `model(idx)` returns logits of shape (B, T, vocab); `model.generate(idx, n)` samples."""
     from zerodp.convert import open_checkpoint
-    from zerodp.models import build_model
-    from zerodp.convert.full_state import FullState
 
     with open_checkpoint(path) as source:
-        cfg = config if config is not None else model_config_of(source)
-        model = build_model(cfg, device="meta")
-        model.to_empty(device=device)
-        model.tie_weights()
-        state = FullState(source, with_optimizer=False)
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        problem = state.mismatch(shapes)
-        if problem:
-            raise CheckpointError(f"{source.path} does not hold the model its config describes: {problem}")
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(state.get(name, "param", p.shape))
+        return model_from_source(source, device, dtype, config)
+
+
+def model_from_source(source, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                      config=None) -> torch.nn.Module:
+    """`load_model` for a checkpoint already open (a zerodp.convert CheckpointSource)."""
+    from zerodp.convert.full_state import FullState
+    from zerodp.models import build_model
+
+    cfg = config if config is not None else model_config_of(source)
+    model = build_model(cfg, device="meta")
+    model.to_empty(device=device)
+    model.tie_weights()
+    state = FullState(source, with_optimizer=False)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    problem = state.mismatch(shapes)
+    if problem:
+        raise CheckpointError(f"{source.path} does not hold the model its config describes: {problem}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state.get(name, "param", p.shape))
     if dtype is not None:
         model.to(dtype)
     return model.eval()

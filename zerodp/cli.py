@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="zerodp", description="Data-parallel GPT training: one pipeline, any strategy.")
     parser.add_argument("--version", action="version", version=f"zerodp {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,plan,convert,inspect,config,prepare}",
+    sub = parser.add_subparsers(dest="command", metavar="{train,plan,convert,inspect,config,prepare,generate,eval}",
                                 parser_class=_Parser)
     sub.required = True
     _add_train(sub)
@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     from zerodp import prepare_cli
 
     prepare_cli.add_prepare_parser(sub)
+    from zerodp import use
+
+    use.add_parsers(sub)
     return parser
 
 

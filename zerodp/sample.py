@@ -75,10 +75,14 @@ def decode(cfg: Config, tokens: list[int]) -> str:
     return " ".join(map(str, tokens))
 
 
-def next_token(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw from the last position's logits (B, V) on the CPU: temperature, then top-k. (B, 1)"""
-    logits = logits.float().cpu() / TEMPERATURE
-    v, _ = torch.topk(logits, min(TOP_K, logits.size(-1)))
+def next_token(logits: torch.Tensor, generator: torch.Generator, temperature: float = TEMPERATURE,
+               top_k: int = TOP_K) -> torch.Tensor:
+    """One draw from the last position's logits (B, V) on the CPU: temperature, then top-k (0: the whole
+    vocabulary); temperature 0 takes the most likely token. (B, 1)"""
+    if temperature <= 0:
+        return logits.float().cpu().argmax(dim=-1, keepdim=True)
+    logits = logits.float().cpu() / temperature
+    v, _ = torch.topk(logits, min(top_k or logits.size(-1), logits.size(-1)))
     logits[logits < v[:, [-1]]] = -float("inf")
     return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
 

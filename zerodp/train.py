@@ -96,10 +96,12 @@ def check_out_dir(out_dir: Path) -> None:
 
 def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, model: torch.nn.Module) -> dict:
     """What conversion and resume need to know about a checkpoint, besides its files; for a `zerodp
-    prepare` folder also the tokenizer its meta.json names ({path, sha256}), which `zerodp convert
-    --to hf` copies into the export."""
+    prepare` folder also the tokenizer its meta.json names ({path, sha256, eot_id, special_tokens}),
+    which `zerodp convert --to hf` copies into the export and `zerodp generate` encodes and decodes with."""
     prepared = prepared_meta(cfg.data.source)
-    tokenizer = {k: (prepared.get("tokenizer") or {}).get(k) for k in ("path", "sha256")} if prepared else None
+    tokenizer = {**{k: (prepared.get("tokenizer") or {}).get(k) for k in ("path", "sha256")},
+                 "eot_id": prepared.get("eot_id"), "special_tokens": prepared.get("special_tokens", True)} \
+        if prepared else None
     return {
         **({"tokenizer": tokenizer} if tokenizer and tokenizer["path"] else {}),
         "strategy": strategy_name,

@@ -137,12 +137,15 @@ def _read_paths(source: CheckpointSource) -> list[Path]:
 
 def _source_metadata(source: CheckpointSource, layout: str, tied: dict | None = None,
                      config: dict | None = None) -> dict[str, str]:
-    """Every written file's metadata: where it came from, its names' layout ("hf" | "zerodp"), ties, config."""
+    """Every written file's metadata: where it came from, its names' layout ("hf" | "zerodp"), ties, config,
+    and the tokenizer record of a run trained on a `zerodp prepare` folder."""
     md = {"format": "pt", "zerodp.source": json.dumps(source.describe(), sort_keys=True), "zerodp.layout": layout,
           "zerodp.tied": json.dumps(source.tied() if tied is None else tied, sort_keys=True)}
     cfg = config or source.meta.get("config")
     if cfg:
         md["zerodp.config"] = json.dumps(cfg, sort_keys=True)
+    if source.meta.get("tokenizer"):  # zerodp generate and a later --to hf find the run's tokenizer by it
+        md["zerodp.tokenizer"] = json.dumps(source.meta["tokenizer"], sort_keys=True)
     return md
 
 
@@ -252,6 +255,7 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     if tokenizer_files:  # what lets --overwrite recognise them as ours (convert_output_kind)
         metadata["zerodp.tokenizer_files"] = json.dumps(
             {n: hashlib.sha256(d).hexdigest() for n, d in tokenizer_files.items()}, sort_keys=True)
+    config.update(_special_ids(source, bool(tokenizer_files)))
 
     def fetch(hf_name: str) -> torch.Tensor:
         name, shape, transform = back[hf_name]
@@ -271,6 +275,17 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _special_ids(source: CheckpointSource, with_tokenizer: bool) -> dict:
+    """config.json's bos/eos token ids: a Hugging Face source's own, else for an export that carries the
+    run's tokenizer its end-of-text id as eos (text generation then stops at a document's end)."""
+    hf = source.meta.get("hf_config") or {}
+    ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None}
+    eot = (source.meta.get("tokenizer") or {}).get("eot_id")
+    if "eos_token_id" not in ids and with_tokenizer and eot is not None:
+        ids["eos_token_id"] = int(eot)
+    return ids
 
 
 def _tokenizer_files(source: CheckpointSource) -> dict[str, bytes]:

@@ -1,0 +1,308 @@
+"""`zerodp generate` and `zerodp eval`: use a checkpoint without training, on one process (CPU or GPU).
+
+Both read any checkpoint `zerodp.load_model` reads (a run folder, a step folder, DeepSpeed, DCP, zerodp
+safetensors, a Hugging Face folder), built on the meta device and filled tensor by tensor.
+
+Text goes in and out the way the run saw it (`Text`): with the tokenizer the checkpoint records (a run
+on a `zerodp prepare` folder; its sha256 is checked), or the tokenizer.json beside a Hugging Face
+export, or `--tokenizer`; as bytes for a byte-level run; else as token ids.
+
+zerodp/cli.py registers both with `add_parsers(subparsers)`; bad input raises UserError (one line on
+stderr, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from zerodp.errors import UserError
+
+GENERATE_EXAMPLES = """examples:
+  zerodp generate runs/tiny --prompt 'def main(' --max-new-tokens 200
+  zerodp generate runs/llama-mine/checkpoints/step_00000500 --prompt 'Once upon a time' --temperature 0
+  zerodp generate exports/llama-hf --prompt 'The' --top-k 0 --seed 3 --device cuda
+"""
+
+EVAL_EXAMPLES = """examples:
+  zerodp eval runs/llama-mine                       # the validation split the run trained beside
+  zerodp eval exports/llama-hf data.source=data/mine --max-tokens 1000000
+"""
+
+
+def add_parsers(subparsers) -> None:
+    g = subparsers.add_parser(
+        "generate", help="print text a checkpoint generates from a prompt (one process, CPU or GPU)",
+        description="Load a checkpoint on one process and sample --max-new-tokens tokens after --prompt "
+                    "(temperature, then top-k; a seeded generator: the same command prints the same text). "
+                    "Text is encoded and decoded with the run's tokenizer (bytes for a byte-level run).",
+        epilog=GENERATE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("path", metavar="PATH", help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
+    g.add_argument("--prompt", default=None,
+                   help="text to continue (default: the start of a new document, as the end-of-run sample)")
+    g.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
+    g.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                   help="softmax temperature (default 0.8); 0 takes the most likely token every time")
+    g.add_argument("--top-k", type=int, default=50, metavar="K", help="sample among the K likeliest (default 50; 0: all)")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: the run's train.seed)")
+    _common(g)
+    g.set_defaults(func=run_generate)
+
+    e = subparsers.add_parser(
+        "eval", help="print a checkpoint's validation loss and perplexity (one process, CPU or GPU)",
+        description="Load a checkpoint on one process and compute the mean cross-entropy (and its exp, the "
+                    "perplexity) over the validation split: a `zerodp prepare` folder's val.bin, or the last "
+                    "data.val_fraction of another source, cut into consecutive windows of model.block_size "
+                    "tokens. The data is the run's own data.source unless an override names another.",
+        epilog=EVAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("path", metavar="PATH", help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
+    e.add_argument("overrides", nargs="*", metavar="data.KEY=VALUE",
+                   help="data settings in place of the run's, e.g. data.source=DIR (a zerodp prepare folder)")
+    e.add_argument("--batch-size", type=int, default=8, metavar="B", help="windows per forward (default 8)")
+    e.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="evaluate the first N tokens of the split only (default: all of it)")
+    e.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _common(e)
+    e.set_defaults(func=run_eval)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json (or a folder holding one) in place of the one the checkpoint records")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when there is a GPU)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="compute in fp32 (default; exact) or under bf16 autocast")
+
+
+# -- text in and out ---------------------------------------------------------------------------------
+
+@dataclass
+class Text:
+    """How this checkpoint's token ids and text map onto each other."""
+
+    tokenizer: object | None = None  # a tokenizers.Tokenizer
+    byte_level: bool = False
+    eot_id: int | None = None  # the document separator the run trained with, if known
+    special_tokens: bool = True  # whether prepare let the post-processor add its special tokens
+    note: str | None = None  # why a recorded tokenizer was not used
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is not None:
+            return self.tokenizer.encode(text, add_special_tokens=self.special_tokens).ids
+        if self.byte_level:
+            return list(text.encode("utf-8"))
+        raise UserError("this checkpoint records no tokenizer, so --prompt cannot be encoded"
+                        + (f" ({self.note})" if self.note else "")
+                        + "; pass --tokenizer path/to/tokenizer.json")
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+        if self.byte_level and max(ids, default=0) < 256:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return " ".join(map(str, ids))
+
+
+def _load_tokenizer(path: str | Path):
+    p = Path(path)
+    file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.is_file():
+        raise UserError(f"--tokenizer {path}: no tokenizer.json there; give the file or a folder holding it")
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the library raises a bare Exception for a malformed file
+        raise UserError(f"--tokenizer {file} is not a tokenizers tokenizer.json ({str(e).splitlines()[0]})") from None
+
+
+def text_of(source, run_cfg: dict, tokenizer: str | None) -> Text:
+    """The Text of an open checkpoint: --tokenizer, else the run's recorded tokenizer, else a
+    tokenizer.json beside the checkpoint (an HF export), else the prepared folder the run's config names;
+    bytes when the run read text byte by byte; else ids."""
+    from zerodp.data import prepared_meta
+    from zerodp.sample import tokenizer_of
+
+    rec = source.meta.get("tokenizer") or {}
+    data = (run_cfg.get("data") or {}).get("source")
+    prepared = prepared_meta(data) if data else None
+    eot = rec.get("eot_id", (prepared or {}).get("eot_id"))
+    if eot is None:
+        eot = (source.meta.get("hf_config") or {}).get("eos_token_id")
+    special = bool(rec.get("special_tokens", (prepared or {}).get("special_tokens", True)))
+    text = Text(eot_id=eot, special_tokens=special)
+    if tokenizer is not None:
+        text.tokenizer = _load_tokenizer(tokenizer)
+        return text
+    if rec.get("path"):
+        text.tokenizer, text.note = tokenizer_of({"tokenizer": rec})
+        if text.tokenizer is not None:
+            return text
+    path = Path(source.path)
+    for folder in (path, path.parent):
+        if (folder / "tokenizer.json").is_file():
+            text.tokenizer = _load_tokenizer(folder / "tokenizer.json")
+            return text
+    if prepared is not None and not rec.get("path"):
+        text.tokenizer, text.note = tokenizer_of(prepared)
+        return text
+    vocab = int(((run_cfg.get("model") or {}).get("vocab_size")) or 0)
+    text.byte_level = bool(run_cfg) and prepared is None and not str(data).endswith(".bin") and vocab >= 256
+    return text
+
+
+# -- the model ---------------------------------------------------------------------------------------
+
+def _device(name: str | None):
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no GPU is visible to this process; use --device cpu")
+    return device
+
+
+def _autocast(device, precision: str):
+    import contextlib
+
+    import torch
+
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _run_config(source) -> dict:
+    return dict(source.meta.get("config") or {})
+
+
+# -- generate ----------------------------------------------------------------------------------------
+
+def run_generate(args) -> int:
+    import torch
+
+    from zerodp.api import model_from_source
+    from zerodp.convert import open_checkpoint
+    from zerodp.sample import next_token
+
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
+    if args.top_k < 0 or args.temperature < 0:
+        raise UserError("--top-k and --temperature cannot be negative (0 means: all tokens / the most likely one)")
+    device = _device(args.device)
+    with open_checkpoint(args.path) as source:
+        run_cfg = _run_config(source)
+        text = text_of(source, run_cfg, args.tokenizer)
+        model = model_from_source(source, device)
+    if text.note:
+        print(f"zerodp: {text.note}; printing token ids", file=sys.stderr)
+    # The run's documents each follow the separator: a prompt continues from the start of a document.
+    start = [text.eot_id] if text.eot_id is not None and text.tokenizer is not None else []
+    if args.prompt is not None:
+        prompt = start + text.encode(args.prompt)
+    else:
+        prompt = start or (list(b"def ") if text.byte_level else [0])
+    if not prompt:
+        raise UserError("--prompt '' encodes to no tokens; give some text")
+    vocab = model.arch.vocab_size
+    if max(prompt) >= vocab:
+        raise UserError(f"the prompt encodes to token id {max(prompt)}, beyond the model's vocabulary of {vocab}; "
+                        f"use the tokenizer the model was trained with (--tokenizer)")
+    seed = args.seed if args.seed is not None else int((run_cfg.get("train") or {}).get("seed", 0))
+    generator = torch.Generator().manual_seed(seed)
+    idx = torch.tensor([prompt], dtype=torch.long)  # (1, T) on the CPU
+    block = model.arch.block_size
+    with torch.no_grad(), _autocast(device, args.precision):
+        for _ in range(args.max_new_tokens):
+            logits = model(idx[:, -block:].to(device))  # (1, T, V)
+            idx = torch.cat([idx, next_token(logits[:, -1, :], generator, args.temperature, args.top_k)], dim=1)
+    print(text.decode(idx[0, len(start):].tolist()))
+    return 0
+
+
+# -- eval --------------------------------------------------------------------------------------------
+
+def eval_config(source, overrides: list[str]):
+    """The run's Config with the `data.*` overrides applied; a checkpoint that records no training data
+    (a Hugging Face folder, an export) must be given its data."""
+    from zerodp.api import model_config_of
+    from zerodp.config import from_dict, parse_override, resolve_model
+
+    raw = {k: dict(v) for k, v in _run_config(source).items() if isinstance(v, dict)}
+    data = raw.setdefault("data", {})
+    for item in overrides:
+        section, key, value = parse_override(item)
+        if section != "data":
+            raise UserError(f"zerodp eval takes data.* settings only (got {item}); the model is the checkpoint's")
+        data[key] = value
+    if "source" not in data:  # an export records the model only
+        raise UserError(f"{source.path} records no training data; name it: zerodp eval {source.path} "
+                        f"data.source=DIR (a zerodp prepare folder)")
+    raw["model"] = dataclasses.asdict(model_config_of(source))
+    return resolve_model(from_dict(raw, f"{source.path}'s config"))
+
+
+def run_eval(args) -> int:
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    from zerodp.api import model_from_source
+    from zerodp.convert import open_checkpoint
+    from zerodp.data import PreparedTokens, load_tokens, prepared_meta
+
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: give at least 1")
+    device = _device(args.device)
+    with open_checkpoint(args.path) as source:
+        cfg = eval_config(source, args.overrides)
+        recorded = (source.meta.get("tokenizer") or {}).get("sha256")
+        prepared = prepared_meta(cfg.data.source)
+        used = ((prepared or {}).get("tokenizer") or {}).get("sha256")
+        if recorded and prepared is not None and used != recorded:
+            raise UserError(f"{cfg.data.source} was prepared with another tokenizer than the one {args.path} was "
+                            f"trained with (sha256 differs); evaluate on data prepared with the run's tokenizer")
+        tokens = load_tokens(cfg)
+        model = model_from_source(source, device)
+    if isinstance(tokens, PreparedTokens):
+        split, where = tokens.val, tokens.folder / "val.bin"
+    else:
+        n_val = int(len(tokens) * cfg.data.val_fraction)
+        split, where = tokens[len(tokens) - n_val:], f"the last {cfg.data.val_fraction:g} of {cfg.data.source}"
+    if args.max_tokens is not None:
+        split = split[: max(0, args.max_tokens) + 1]
+    T = model.arch.block_size
+    windows = (len(split) - 1) // T
+    if windows < 1:
+        raise UserError(f"the validation split ({where}) has {len(split)} tokens, fewer than one window of "
+                        f"model.block_size+1={T + 1}; prepare with a larger --val-fraction")
+    total, bar = 0.0, tqdm(total=windows, desc="eval", unit="window", file=sys.stderr,
+                           disable=args.no_progress or not sys.stderr.isatty())
+    with torch.no_grad(), _autocast(device, args.precision):
+        for first in range(0, windows, args.batch_size):
+            rows = range(first, min(windows, first + args.batch_size))
+            buf = torch.from_numpy(np.stack([np.asarray(split[r * T : r * T + T + 1], dtype=np.int64) for r in rows]))
+            loss = model(buf[:, :-1].to(device), buf[:, 1:].to(device))  # mean over len(rows) * T tokens
+            total += loss.item() * len(rows)
+            bar.update(len(rows))
+    bar.close()
+    loss = total / windows
+    result = {"val_loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": windows * T, "windows": windows,
+              "source": str(where)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"val_loss {loss:.4f}  perplexity {result['perplexity']:.3f}  ({windows * T:,} tokens: {windows:,} "
+              f"windows of {T} from {where})")
+    return 0

@@ -136,6 +136,10 @@ class TrainConfig:
     """CUDA: deterministic kernels only (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8,
     cuDNN deterministic), so a repeated or resumed run reproduces the bits; costs speed (attention
     backward without split-key parallelism, no cuDNN attention). CPU runs are bit-reproducible without it."""
+    compile: bool = False
+    """torch.compile each transformer block (in place: names, checkpoints and the strategy unchanged).
+    Costs a compilation at the first steps (and for the end-of-run sample); then fused kernels run each
+    block faster with fewer saved activations. Needs a C++ compiler on the CPU, Triton on CUDA."""
     out_dir: str = "runs/tiny"
     """Run directory: resolved config, metrics.jsonl, checkpoints."""
     eval_every: int = 50

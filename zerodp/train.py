@@ -19,7 +19,7 @@ from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distr
 from zerodp.errors import PeerFailure, UserError
 from zerodp.faults import (DeviceProbe, Heartbeat, PeerWatch, Preemption, Stopwatch, StragglerMonitor,
                            compute_from_probe)
-from zerodp.models import build_model, param_count
+from zerodp.models import build_model, compile_blocks, param_count
 from zerodp.sample import sample
 from zerodp.start import plan_start
 from zerodp.strategies import RunContext, make_strategy
@@ -168,6 +168,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         tokens_seen = state.get("tokens", start * cfg.train.global_batch_size * cfg.model.block_size)
     elif start_plan.init_from:
         checkpoint.init_from(strategy, start_plan.init_from)
+    if cfg.train.compile:
+        compile_blocks(strategy.model)
     dist.barrier()  # start-up is over on every rank
     log(env, f"strategy {name} on {env.world_size} process(es), {param_count(cfg.model):,} parameters, "
              f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "

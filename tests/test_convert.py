@@ -144,7 +144,7 @@ def test_pickle_protocol_tricks_are_refused(tmp_path):
     assert tmp_path.exists()
 
 
-def test_truncated_and_corrupted_files_are_named(tmp_path):
+def test_truncated_and_corrupted_files_are_named(tmp_path, capsys):
     hf_model(tmp_path / "in.safetensors")
     ckpt = write_zerodp(open_checkpoint(tmp_path / "in.safetensors"), tmp_path / "z", progress=False)
     sharded = tmp_path / "sharded"
@@ -166,6 +166,13 @@ def test_truncated_and_corrupted_files_are_named(tmp_path):
     model.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"z/model\.safetensors fails its sha256 check \(corrupted\)"):
         open_checkpoint(ckpt, verify_deep=True)
+    # `zerodp convert` hashes beside its reads: the damage is named, exit 2, and nothing is published
+    # (neither a new DST nor the staging folder). (--to hf needs a model config this checkpoint lacks.)
+    for to in ("safetensors", "zerodp"):
+        dst = tmp_path / f"from-damaged-{to}"
+        assert main(["convert", str(ckpt), str(dst), "--to", to, "--no-progress"]) == 2
+        assert "model.safetensors fails its sha256 check (corrupted)" in capsys.readouterr().err, to
+        assert not dst.exists() and not list(tmp_path.glob(f".from-damaged-{to}*"))
     # A truncated torch pickle (zip) is refused with its name.
     pt = tmp_path / "t.pt"
     torch.save({"a": torch.ones(1000)}, pt)

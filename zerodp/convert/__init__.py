@@ -67,14 +67,16 @@ def detect_format(path: str | Path) -> tuple[str, Path]:
                           f"*.safetensors inside")
 
 
-def open_checkpoint(path: str | Path, verify_deep: bool = False) -> CheckpointSource:
+def open_checkpoint(path: str | Path, verify_deep: bool = False, hash_beside_reads: bool = False) -> CheckpointSource:
     """Open any supported checkpoint. Sizes (and with verify_deep, zerodp's sha256 manifest) are
-    checked before any tensor is read; a damaged file raises CheckpointError naming it."""
+    checked before any tensor is read; a damaged file raises CheckpointError naming it. With
+    hash_beside_reads the sha256 check runs in a thread while tensors are read, and
+    `source.confirm()` waits for it and raises (the writers call it before publishing)."""
     fmt, where = detect_format(path)
     if fmt == "zerodp":
         from zerodp.convert.zerodp_ckpt import ZerodpSource
 
-        return ZerodpSource(where, verify_deep=verify_deep)
+        return ZerodpSource(where, verify_deep=verify_deep, hash_beside_reads=hash_beside_reads)
     if fmt == "deepspeed":
         from zerodp.convert.deepspeed_ckpt import DeepSpeedSource
 

@@ -8,6 +8,7 @@ never imports zerodp.cli (no import circle): run it as `zerodp convert|inspect` 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from zerodp.errors import UserError
 
@@ -34,6 +35,9 @@ def add_convert_parser(sub) -> None:
     p.add_argument("--step", type=int, default=None, help="zerodp target: training step to record")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST if it is an earlier output of `zerodp convert` with the same --to")
+    p.add_argument("--max-memory", default="1GiB",
+                   help="bytes of tensors read ahead of the writer (default 1GiB; at least the largest tensor is "
+                        "always read): peak memory is about this plus one tensor being written")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_convert)
 
@@ -65,27 +69,31 @@ def run_convert(args) -> int:
         from zerodp.config import load_config
 
         model = load_config(args.config).to_dict()["model"]
-    shard = parse_size(args.max_shard_size) if args.max_shard_size else None
+    shard = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None
+    window = parse_size(args.max_memory, "--max-memory")
     # Before SRC is opened (and hashed): DST must not overlap SRC as given (an out_dir, say, of which
     # the source reads one step folder) nor be anything but new, empty or an earlier output of --to.
     # The writer checks again against every file the source reads, and writes through a staging folder.
     check_destination(args.dst, args.to, args.overwrite, inputs=[args.src])
     t0 = time.time()
-    with open_checkpoint(args.src, verify_deep=True) as src:
+    with open_checkpoint(args.src, verify_deep=True, hash_beside_reads=True) as src:
         if args.to == "safetensors":
             out = write_safetensors(src, args.dst, dtype=args.dtype, max_shard_size=shard,
-                                    progress=not args.no_progress, overwrite=args.overwrite)
+                                    progress=not args.no_progress, overwrite=args.overwrite, window=window)
             what = f"{len(out)} file{'s' if len(out) > 1 else ''}"
         elif args.to == "hf":
             out = write_hf(src, args.dst, dtype=args.dtype, max_shard_size=shard, progress=not args.no_progress,
-                           overwrite=args.overwrite, model=model)
+                           overwrite=args.overwrite, model=model, window=window)
             what = f"a Hugging Face model folder ({len(out)} files)"
         else:
-            write_zerodp(src, args.dst, step=args.step, progress=not args.no_progress, overwrite=args.overwrite)
+            write_zerodp(src, args.dst, step=args.step, progress=not args.no_progress, overwrite=args.overwrite,
+                         window=window)
             what = "a zerodp checkpoint"
         n = len(src.param_names())
-        print(f"converted {src.format} checkpoint {src.path} ({n} tensors) to {what} in {args.dst} "
-              f"({time.time() - t0:.1f}s)")
+    seconds = time.time() - t0
+    written = sum(f.stat().st_size for f in Path(args.dst).rglob("*") if f.is_file())
+    print(f"converted {src.format} checkpoint {src.path} ({n} tensors) to {what} in {args.dst} "
+          f"({written / 1e6:,.0f} MB in {seconds:.1f}s, {written / 1e6 / max(seconds, 1e-9):,.0f} MB/s)")
     return 0
 
 

@@ -33,8 +33,10 @@ class DcpSource(CheckpointSource):
         self.path = Path(path)
         if not (self.path / ".metadata").is_file():
             raise CheckpointError(f"{self.path} has no .metadata file; not a torch.distributed.checkpoint folder")
+        self.reader = safe_dcp_reader(self.path)  # one reader: its metadata is parsed once
+        self._steps: dict[str, float] | None = None
         try:
-            self.md = safe_dcp_reader(self.path).read_metadata()
+            self.md = self.reader.read_metadata()
         except CheckpointError:
             raise
         except Exception as e:  # a truncated .metadata pickle
@@ -85,20 +87,32 @@ class DcpSource(CheckpointSource):
         return dict(self._tied)
 
     def _load(self, key: str) -> torch.Tensor:
+        return self._load_many([key])[0]
+
+    def _load_many(self, keys: list[str]) -> list[torch.Tensor]:
+        """The tensors of `keys` in one dcp.load: DCP reads each file's requested byte ranges in order,
+        one pass per file, instead of a pass (and a planning round) per tensor."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        m = self.meta_of[key]
-        t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        out = {k: torch.empty(tuple(self.meta_of[k].size), dtype=self.meta_of[k].properties.dtype) for k in keys}
         try:
             with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load({key: t}, storage_reader=safe_dcp_reader(self.path), planner=safe_dcp_planner(),
-                         no_dist=True)
+                dcp.load(dict(out), storage_reader=self.reader, planner=safe_dcp_planner(), no_dist=True)
         except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps file errors
             problem = self.verify(deep=False) or f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
-            raise CheckpointError(f"{self.path}: cannot read {key}: {problem}") from None
-        return t
+            what = keys[0] if len(keys) == 1 else f"{len(keys)} tensors ({keys[0]}, ...)"
+            raise CheckpointError(f"{self.path}: cannot read {what}: {problem}") from None
+        return [out[k] for k in keys]
+
+    def _key(self, name: str, kind: str) -> str:
+        check_kind(kind)
+        if kind == "param":
+            return self.key_of[name]
+        if (name, kind) not in self.opt_keys:
+            raise KeyError(f"{self.path} has no {kind} for {name}")
+        return self.opt_keys[(name, kind)]
 
     def param_names(self) -> list[str]:
         return list(self.key_of)
@@ -114,18 +128,19 @@ class DcpSource(CheckpointSource):
         return kind == "param" or (name, kind) in self.opt_keys
 
     def get(self, name: str, kind: str = "param") -> torch.Tensor:
-        check_kind(kind)
-        if kind == "param":
-            return self._load(self.key_of[name])
-        if (name, kind) not in self.opt_keys:
-            raise KeyError(f"{self.path} has no {kind} for {name}")
-        return self._load(self.opt_keys[(name, kind)]).float()
+        return self.get_many([(name, kind)])[0]
+
+    def get_many(self, requests: list[tuple[str, str]]) -> list[torch.Tensor]:
+        tensors = self._load_many([self._key(n, k) for n, k in requests])
+        return [t if k == "param" else t.float() for t, (_, k) in zip(tensors, requests)]
 
     def step(self, name: str | None = None) -> float | None:
         if name is None:
             return None if self.meta.get("step") is None else float(self.meta["step"])
-        key = self.opt_keys.get((name, "step"))
-        return None if key is None else float(self._load(key))
+        if self._steps is None:  # every parameter's step in one read
+            keys = {p: k for (p, kind), k in self.opt_keys.items() if kind == "step"}
+            self._steps = dict(zip(keys, map(float, self._load_many(list(keys.values())))))
+        return self._steps.get(name)
 
     def files(self) -> list[Path]:
         rel = sorted({s.relative_path for s in self.md.storage_data.values()})

@@ -5,6 +5,8 @@ strategy)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -52,6 +54,24 @@ class FullState:
 
         raise CheckpointError(f"{self.source.path} has no parameter {name!r} (it has {len(self.names)}, e.g. "
                               f"{sorted(self.names)[:3]}); the model config must describe the checkpoint's model")
+
+    def stored_name(self, name: str) -> str:
+        """The source's name for the model's parameter `name`."""
+        return self._stored(name)[0]
+
+    @contextlib.contextmanager
+    def reading_ahead(self, order: list[tuple[str, str]], window: int):
+        """Within the block, the source is read ahead in `order` ((stored name, kind) pairs, as `get`
+        will ask for them) by a background thread (zerodp.convert.stream.read_ahead)."""
+        from zerodp.convert.stream import read_ahead
+
+        source = self.source
+        with read_ahead(source, order, window) as ahead:
+            self.source = ahead
+            try:
+                yield self
+            finally:
+                self.source = source
 
     def param_names(self) -> list[str]:
         """The source's parameters by the model's names (a tied alias not listed), in the source's order."""

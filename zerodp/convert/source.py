@@ -60,6 +60,14 @@ class CheckpointSource:
     def files(self) -> list[Path]:
         raise NotImplementedError
 
+    def confirm(self) -> None:
+        """Wait for an integrity check running beside the reads (zerodp's sha256 manifest) and raise
+        CheckpointError if it failed: writers call it before they publish anything."""
+
+    def get_many(self, requests: list[tuple[str, str]]) -> list[torch.Tensor]:
+        """`get` of each (name, kind), in order; a format that reads better in bulk (DCP) overrides it."""
+        return [self.get(n, k) for n, k in requests]
+
     def verify(self, deep: bool = True) -> str | None:
         """None if every file is present and intact, else the reason (naming the file)."""
         raise NotImplementedError

@@ -11,6 +11,7 @@ write their own names and layouts whatever the source's (zerodp/models/hf.py hol
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, names_layout, write_safetensors_file
+from zerodp.convert.stream import DEFAULT_WINDOW, read_ahead
 from zerodp.errors import CheckpointError, UserError
 from zerodp.safe_output import check_output, staged
 
@@ -30,12 +32,25 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, what: str = "--max-shard-size") -> int:
     """'5GB' -> 5_000_000_000 (HF's decimal units); '10MiB', '123' (bytes) also accepted."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
     if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
-        raise UserError(f"--max-shard-size {text!r} is not a size; write it like 5GB, 500MB or 10MiB")
+        raise UserError(f"{what} {text!r} is not a size; write it like 5GB, 500MB or 10MiB")
     return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+@contextlib.contextmanager
+def _publish(source: CheckpointSource, dst: Path):
+    """`staged(dst)`, made `dst` only once the source's integrity check, which ran beside the reads,
+    has passed (`source.confirm()`); a read that failed on a damaged file reports the damage."""
+    with staged(dst) as out:
+        try:
+            yield out
+        except CheckpointError:
+            source.confirm()
+            raise
+        source.confirm()
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -181,14 +196,16 @@ def _write_shards(out: Path, shards: dict[str, list[str]], infos: dict[str, Tens
 
 
 def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | None = None,
-                      max_shard_size: int | None = None, progress: bool = True, overwrite: bool = False) -> list[Path]:
+                      max_shard_size: int | None = None, progress: bool = True, overwrite: bool = False,
+                      window: int = DEFAULT_WINDOW) -> list[Path]:
     """Write the source's weights into folder `dst` as `model.safetensors`, or, when they exceed
     `max_shard_size` bytes, as HF's `model-0000k-of-0000n.safetensors` plus `model.safetensors.index.json`.
 
     Names and layouts stay as the source has them (`zerodp.layout` in the metadata says which). dtype
     None keeps each tensor's dtype; "fp32" | "bf16" | "fp16" casts floating tensors. A tied alias is
     not written (HF's convention: GPT-2's lm_head.weight is absent and re-tied on load); `zerodp.tied`
-    in the metadata records it. The source's description rides in `zerodp.source`."""
+    in the metadata records it. The source's description rides in `zerodp.source`. A background thread
+    reads up to `window` bytes ahead of the writer (zerodp.convert.stream)."""
     dst = Path(dst)
     target = DTYPES[dtype] if dtype else None
     names = source.param_names()
@@ -200,18 +217,20 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
     check_destination(dst, "safetensors", overwrite, _read_paths(source))
     metadata = _source_metadata(source, names_layout(source))
 
-    def fetch(n: str) -> torch.Tensor:
-        t = source.get(n)
-        return t.to(infos[n].dtype) if t.dtype != infos[n].dtype else t
-
+    order = [(n, "param") for shard in shards.values() for n in shard]
     total = sum(i.nbytes for i in infos.values())
-    with staged(dst) as out, _progress(total, "convert", progress) as bar:
+    with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, read_ahead(source, order, window) as src:
+        def fetch(n: str) -> torch.Tensor:
+            t = src.get(n)
+            return t.to(infos[n].dtype) if t.dtype != infos[n].dtype else t
+
         files = _write_shards(out, shards, infos, fetch, metadata, bar)
     return [dst / name for name in files]
 
 
 def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None, max_shard_size: int | None = None,
-             progress: bool = True, overwrite: bool = False, model: dict | None = None) -> list[Path]:
+             progress: bool = True, overwrite: bool = False, model: dict | None = None,
+             window: int = DEFAULT_WINDOW) -> list[Path]:
     """Write folder `dst` as a Hugging Face model: config.json (zerodp.models.hf.hf_config_from_model) and
     the weights in HF's names and layouts, one model.safetensors or shards with an index, as
     `write_safetensors` lays them out; `AutoModelForCausalLM.from_pretrained(dst)` loads it.
@@ -265,7 +284,8 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
         return t.to(infos[hf_name].dtype)
 
     total = sum(i.nbytes for i in infos.values())
-    with staged(dst) as out, _progress(total, "convert", progress) as bar:
+    order = [(state.stored_name(back[h][0]), "param") for shard in shards.values() for h in shard]
+    with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, state.reading_ahead(order, window):
         (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         files = [HF_CONFIG, *_write_shards(out, shards, infos, fetch, metadata, bar)]
         for name, data in tokenizer_files.items():
@@ -314,19 +334,20 @@ def _tokenizer_files(source: CheckpointSource) -> dict[str, bytes]:
 
 
 def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = None, progress: bool = True,
-                 overwrite: bool = False) -> Path:
+                 overwrite: bool = False, window: int = DEFAULT_WINDOW) -> Path:
     """Write `dst` as a zerodp checkpoint folder in the canonical layout (strategy "single", world size 1):
     model.safetensors (fp32 weights), optim.safetensors (fp32 exp_avg / exp_avg_sq, where the source
     has them), optim.json (AdamW step per parameter), trainer.json and meta.json with its manifest.
     zerodp.checkpoint.verify() accepts the result; `step` overrides the source's training step."""
     dst = Path(dst)
     check_destination(dst, "zerodp", overwrite, _read_paths(source))
-    with staged(dst) as out:
-        _write_zerodp_into(out, source, step if step is not None else source.step(), progress)
+    with _publish(source, dst) as out:
+        _write_zerodp_into(out, source, step if step is not None else source.step(), progress, window)
     return dst
 
 
-def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | None, progress: bool) -> None:
+def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | None, progress: bool,
+                       window: int = DEFAULT_WINDOW) -> None:
     from zerodp.manifest import FORMAT_VERSION, sha256_file
     from zerodp.convert.full_state import FullState
 
@@ -338,7 +359,9 @@ def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | 
     m_infos = {f"{n}/{k}": infos[n] for n in moments for k in MOMENTS}
     metadata = _source_metadata(source, "zerodp", state.tied())
     total = sum(i.nbytes for i in infos.values()) + sum(i.nbytes for i in m_infos.values())
-    with _progress(total, "convert", progress) as bar:
+    order = [(state.stored_name(n), "param") for n in names] + \
+        [(state.stored_name(n), k) for n in moments for k in MOMENTS]
+    with _progress(total, "convert", progress) as bar, state.reading_ahead(order, window):
         write_safetensors_file(dst / "model.safetensors", names, infos,
                                lambda n: state.get(n, "param", infos[n].shape), metadata, bar.update)
         write_safetensors_file(dst / "optim.safetensors", m_names, m_infos,

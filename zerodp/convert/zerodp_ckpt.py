@@ -8,6 +8,7 @@ DeepSpeed's files (zero1/2/3) or a DCP folder (fsdp), each found by what is on d
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -41,15 +42,23 @@ def resolve_zerodp_root(path: Path) -> Path | None:
 class ZerodpSource(CheckpointSource):
     format = "zerodp"
 
-    def __init__(self, path: Path, verify_deep: bool = False):
+    def __init__(self, path: Path, verify_deep: bool = False, hash_beside_reads: bool = False):
         self.path = Path(path)
         try:
             self.meta = json.loads((self.path / META).read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{self.path / META} is not valid JSON ({e})") from None
-        problem = self.verify(deep=verify_deep)  # never read a file the manifest does not vouch for
+        # Sizes always, and with verify_deep the sha256 of every file: first, or with hash_beside_reads in a
+        # thread beside the reads (hashlib releases the GIL); a writer then publishes nothing until
+        # `confirm()` has seen it pass.
+        problem = self.verify(deep=verify_deep and not hash_beside_reads)
         if problem:
             raise CheckpointError(problem)
+        beside = verify_deep and hash_beside_reads
+        self._hashing = threading.Thread(target=self._hash, daemon=True, name="zerodp-sha256") if beside else None
+        self._hash_problem: str | None = None
+        if self._hashing is not None:
+            self._hashing.start()
         self.inner: CheckpointSource | None = None
         self.model = self.optim = None
         if (self.path / "model.safetensors").is_file():
@@ -104,6 +113,9 @@ class ZerodpSource(CheckpointSource):
             raise KeyError(f"{self.path} has no {kind} for {name}")
         return self.optim.read(f"{name}/{kind}")
 
+    def get_many(self, requests: list[tuple[str, str]]) -> list[torch.Tensor]:
+        return self.inner.get_many(requests) if self.inner is not None else super().get_many(requests)
+
     def step(self, name: str | None = None) -> float | None:
         if name is None:
             return super().step()
@@ -125,3 +137,12 @@ class ZerodpSource(CheckpointSource):
         from zerodp.manifest import verify
 
         return verify(self.path, deep=deep)
+
+    def _hash(self) -> None:
+        self._hash_problem = self.verify(deep=True)
+
+    def confirm(self) -> None:
+        if self._hashing is not None:
+            self._hashing.join()
+        if self._hash_problem:
+            raise CheckpointError(self._hash_problem)

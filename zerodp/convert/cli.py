@@ -35,8 +35,8 @@ def add_convert_parser(sub) -> None:
     p.add_argument("--step", type=int, default=None, help="zerodp target: training step to record")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DST if it is an earlier output of `zerodp convert` with the same --to")
-    p.add_argument("--max-memory", default="1GiB",
-                   help="bytes of tensors read ahead of the writer (default 1GiB; at least the largest tensor is "
+    p.add_argument("--max-memory", default="256MiB",
+                   help="bytes of tensors read ahead of the writer (default 256MiB; at least the largest tensor is "
                         "always read): peak memory is about this plus one tensor being written")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_convert)

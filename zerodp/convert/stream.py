@@ -20,7 +20,7 @@ from collections import deque
 
 import torch
 
-DEFAULT_WINDOW = 1 << 30  # --max-memory's default: 1 GiB of tensors in flight
+DEFAULT_WINDOW = 256 << 20  # --max-memory's default: 256 MiB of tensors in flight
 
 
 class ReadAhead:

@@ -56,9 +56,10 @@ def _publish(source: CheckpointSource, dst: Path):
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
-    # disable=None: a bar on a terminal, silence in logs and tests
+    # disable=None: a bar on a terminal, silence in logs and tests (the command prints a summary line)
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr,
-                disable=None if enabled else True, leave=False)
+                disable=None if enabled else True, leave=False,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}B of {total_fmt}B, {rate_fmt}, {remaining} left")
 
 
 # A `zerodp convert` output records that convert made it in the metadata it has always written, so

@@ -35,10 +35,10 @@ TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.vocab_siz
 STRATEGIES = ("zero1", "zero2", "zero3", "fsdp")
 
 
-def run_measured(cmd: list[str], env: dict | None = None) -> tuple[float, float]:
+def run_measured(cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> tuple[float, float]:
     """(seconds, peak RSS MB) via os.wait4 on the child (its own high-water mark)."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
     _, status, usage = os.wait4(p.pid, 0)
     seconds = time.perf_counter() - t0
     err = p.stderr.read().decode()
@@ -104,7 +104,8 @@ def main(argv=None) -> None:
     work.mkdir(parents=True, exist_ok=True)
     try:
         sources = build(work, TINY if args.tiny else MODEL)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(args.zerodp_root).resolve()))
+        zerodp_root = Path(args.zerodp_root).resolve()  # run there: `python -m` puts the cwd first on sys.path
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(zerodp_root))
         extra = ["--max-memory", args.max_memory] if args.max_memory else []
         rows = []
         for name, src in sources.items():
@@ -115,7 +116,7 @@ def main(argv=None) -> None:
                 shutil.rmtree(dst, ignore_errors=True)
                 cmd = [sys.executable, "-m", "zerodp", "convert", str(src), str(dst), "--to", to,
                        "--max-shard-size", "500MB", "--no-progress", *extra]
-                seconds, rss = run_measured(cmd, env)
+                seconds, rss = run_measured(cmd, env, zerodp_root)
                 written = folder_bytes(dst)
                 shutil.rmtree(dst)
                 rows.append((name, to, seconds, written / 1e6 / seconds, rss, size / 1e9, cp, cp_sync))
@@ -124,7 +125,7 @@ def main(argv=None) -> None:
                 out = work / "dcp_to_torch_save.pt"
                 code = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
                         "dcp_to_torch_save(sys.argv[1], sys.argv[2])")
-                seconds, rss = run_measured([sys.executable, "-c", code, str(dcp_dir), str(out)], env)
+                seconds, rss = run_measured([sys.executable, "-c", code, str(dcp_dir), str(out)], env, zerodp_root)
                 written = out.stat().st_size
                 out.unlink()
                 rows.append((name, "torch dcp_to_torch_save", seconds, written / 1e6 / seconds, rss, size / 1e9, cp,

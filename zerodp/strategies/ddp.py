@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from zerodp.models import materialise
@@ -36,6 +37,10 @@ class DDPStrategy:
             bucket_cap_mb=ctx.cfg.strategy.bucket_size_mb,
             gradient_as_bucket_view=True,  # grads live in the buckets: no second full-size copy
         )
+        if ctx.cfg.train.measure_comm:
+            # The reducer's own all-reduces run in C++, out of zerodp.comm's sight; torch's stock hook
+            # issues the same ones from Python (divide by the world size, sum), so they are counted.
+            self.model.register_comm_hook(None, allreduce_hook)
         self.optimizer = torch.optim.AdamW(param_groups(self.module, ctx.cfg), **adamw_kwargs(ctx.cfg))
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
 

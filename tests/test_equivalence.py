@@ -62,7 +62,16 @@ def test_every_strategy_matches_single_process_adamw(tiny, tmp_path, world):
                 assert plan.choice in STRATEGIES and not chosen.model.activation_checkpointing, plan.table()
                 runs.append({"overrides": over + ["strategy.name=auto", f"train.out_dir={tmp_path / 'llama-auto'}"]})
                 expected.append((f"llama auto={plan.choice}", plan.choice, accum, ref))
+    if world == 3:  # the first run (gpt2 ddp) again right after it, unmeasured: DDP reduces in C++, not in
+        # zerodp's hook. Right after: a ZeRO-3 run earlier in the process moves later DDP runs' last bits.
+        assert expected[0][:3] == ("gpt2 ddp", "ddp", 1)
+        runs.insert(1, {"overrides": runs[0]["overrides"] + ["train.measure_comm=false",
+                                                             f"train.out_dir={tmp_path / 'unmeasured'}"]})
     results = run_distributed("tests.workers:train_runs", world, {"runs": runs})[0]
+    if world == 3:  # the hook changes no bit
+        plain, measured = results.pop(1), results[0]
+        assert plain["comm"] is None and plain["losses"] == measured["losses"]
+        assert all(torch.equal(plain["weights"][k], measured["weights"][k]) for k in plain["weights"])
     report, failures = [], []
     for got, (label, name, accum, (ref_losses, ref_weights)) in zip(results, expected):
         assert got["weights"].keys() == ref_weights.keys(), label

@@ -227,13 +227,16 @@ class PlanCheck:
                 f"{_mib(e.total_bytes)} in all per rank, step {e.step_s:.3g}s")
 
     def compare(self, comm: dict | None, held: dict[str, int], device: torch.device) -> dict:
-        """Predicted beside measured: {"comm_bus_bytes", "state_bytes", "peak_allocated_bytes"} (the last
-        on CUDA only), each {"predicted", "measured"}; comm only when it was measured."""
+        """Predicted beside measured, each {"predicted", "measured"}: "comm_bus_bytes" (the last step's,
+        when measured), per-rank "params", "grads" and "optim" bytes (`held`: strategy.state_bytes()
+        after the first step, when gradients may already be freed) and, on CUDA, "peak_allocated_bytes"."""
         e = self.estimate
-        out = {"state_bytes": {"predicted": _planned_states(e),
-                               "measured": sum(held.get(k, 0) for k in ("params", "grads", "optim"))}}
+        out = {}
         if comm is not None:
             out["comm_bus_bytes"] = {"predicted": e.comm_bytes, "measured": comm["comm_bus_bytes"]["total"]}
+        planned = {"params": e.params_bytes, "grads": e.grads_bytes + e.unsharded_grads_bytes,
+                   "optim": e.optimizer_bytes + e.engine_master_bytes}  # DeepSpeed's fp32 master is under optim
+        out.update({k: {"predicted": v, "measured": held.get(k, 0)} for k, v in planned.items()})
         if device.type == "cuda":  # what the allocator saw: everything the planner counts but the CUDA context
             out["peak_allocated_bytes"] = {"predicted": e.total_bytes - e.overhead_bytes,
                                            "measured": torch.cuda.max_memory_allocated(device)}
@@ -242,10 +245,14 @@ class PlanCheck:
     @staticmethod
     def report(compared: dict) -> str:
         """The end-of-run lines: predicted vs measured, with the measurement's error relative to the plan."""
-        names = {"comm_bus_bytes": "comm/step sent per rank", "state_bytes": "model states per rank",
+        names = {"comm_bus_bytes": "comm/step sent per rank", "params": "parameters per rank",
+                 "grads": "gradients per rank", "optim": "optimizer state per rank",
                  "peak_allocated_bytes": "peak allocated per rank"}
         lines = ["predicted vs measured:"]
         for key, v in compared.items():
+            if key == "grads" and not v["measured"]:
+                lines.append(f"  {names[key]}: predicted {_mib(v['predicted'])} at the peak, freed between steps")
+                continue
             error = (v["measured"] - v["predicted"]) / v["predicted"] if v["predicted"] else 0.0
             lines.append(f"  {names[key]}: predicted {_mib(v['predicted'])}, measured {_mib(v['measured'])} "
                          f"({error:+.1%})")
@@ -253,6 +260,5 @@ class PlanCheck:
 
 
 def _planned_states(e) -> int:
-    """Parameters, gradients and optimizer state (with DeepSpeed's fp32 master) the planner puts on a rank:
-    what `strategy.state_bytes()` counts under params, grads and optim."""
+    """Parameters, gradients and optimizer state (with DeepSpeed's fp32 master) the planner puts on a rank."""
     return e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.engine_master_bytes + e.unsharded_grads_bytes

@@ -10,15 +10,15 @@ Every engine's collectives are seen, without changing what they send:
   is counted once, at the outermost call. DTensor's functional collectives (FSDP2's gradient norm) are
   wrapped the same way in `torch.distributed._functional_collectives`.
 * DDP's reducer all-reduces its buckets in C++, out of sight: with train.measure_comm zerodp's DDP
-  strategy registers torch's stock `allreduce_hook`, which does what the reducer does (divide by the
-  world size, all-reduce the bucket) through `torch.distributed.all_reduce`, and is counted like the rest.
+  strategy registers a comm hook that does what the reducer does (scale the bucket by 1/N, all-reduce
+  it) through `torch.distributed.all_reduce`, and is counted like the rest.
 
 Sizes come from numel * element_size: nothing waits for the device. What `bytes` holds per kind is the
 collective's full tensor (the all-reduced tensor, the all-gather's output, the reduce-scatter's input, the
 broadcast tensor), and `bus` the bytes each rank sends in a ring over a group of N ranks: all-reduce
 2(N-1)/N x size, reduce-scatter and all-gather (N-1)/N x size, broadcast and reduce (a pipelined chain:
 every rank but one sends the tensor once) (N-1)/N x size, averaged over the ranks (docs/memory_model.md,
-"Communication").
+"Communication per step"). `PlanCheck` holds the planner's prediction for the run beside them.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all")
 BUS_FACTOR = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0, "broadcast": 1.0, "reduce": 1.0,
               "all_to_all": 1.0}
 """Bus bytes = factor x (N-1)/N x size."""
@@ -85,7 +84,6 @@ _FUNCOL = {
     "reduce_scatter_tensor": ("reduce_scatter", lambda a, k, n: _nbytes(_arg(a, k, 0, "self")), 3),
     "broadcast": ("broadcast", lambda a, k, n: _nbytes(_arg(a, k, 0, "self")), 2),
 }
-
 
 
 @dataclass

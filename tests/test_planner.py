@@ -98,25 +98,63 @@ def test_activation_bytes_hand_computed():
 # --- communication and time ------------------------------------------------------------------------
 
 def test_communication_volumes():
-    P, c = 10**9, Cluster(gpus_per_node=8)
+    """What the engines send (measured in tests/test_equivalence.py), against the ZeRO paper's 2P
+    (ddp, zero1, zero2) and 3P (zero3) in units of one ring all-reduce's worth of parameter bytes."""
+    m, c = spec_from_params(870_842_368, layers=16, hidden=2048, vocab=32000), Cluster(gpus_per_node=8)
+    P, B = m.params, 16 * m.largest_block_params  # every parameter, and those in blocks
+    assert P == B + 32000 * 2048
 
-    def vol(precision: str, accum: int = 1, defer: bool = False) -> dict:
-        w = Workload(precision=precision, grad_accum_steps=accum, fsdp_defer_grad_reduce=defer)
-        return {s: sum(comm_bytes(P, Layout(s, c, w))) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
+    def vol(precision: str, accum: int = 1, defer: bool = False, keep: int = 0) -> dict:
+        w = Workload(precision=precision, grad_accum_steps=accum, fsdp_defer_grad_reduce=defer,
+                     zero3_keep_window=keep)
+        return {s: sum(comm_bytes(m, Layout(s, c, w))) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
 
-    ring32 = 7 / 8 * P * 4  # one reduce-scatter or all-gather of fp32
-    fp32 = vol("fp32")  # the paper's ratios hold when every engine communicates the same dtype
-    assert fp32["ddp"] == int(2 * ring32) == fp32["zero1"] == fp32["zero2"]
-    assert fp32["zero3"] == fp32["fsdp"] == int(3 * ring32) == pytest.approx(1.5 * fp32["ddp"])
-    # bf16: DeepSpeed reduces in bf16; zerodp's DDP (autocast over fp32 params) and FSDP (reduce_dtype
-    # fp32) reduce fp32 gradients, so their gradient traffic stays at 4 bytes
-    bf16, ring16 = vol("bf16"), 7 / 8 * P * 2
-    assert bf16["ddp"] == int(2 * ring32) and bf16["zero1"] == int(2 * ring16)
-    assert bf16["zero3"] == int(3 * ring16) and bf16["fsdp"] == int(2 * ring16 + ring32)
-    # accumulating 4 micro batches: fsdp reduce-scatters each one unless it defers (then once)
-    assert vol("bf16", 4)["fsdp"] == int(8 * ring16 + 4 * ring32)
-    assert vol("bf16", 4, defer=True)["fsdp"] == int(8 * ring16 + ring32)
-    assert sum(comm_bytes(P, Layout("ddp", Cluster(gpus_per_node=1), Workload()))) == 0
+    ring32, ring16 = 7 / 8 * 4, 7 / 8 * 2  # bytes one rank sends per element of an all-gather, fp32 / bf16
+    fp32 = vol("fp32")
+    assert fp32["ddp"] == pytest.approx(2 * ring32 * P)  # the paper's 2P
+    # DeepSpeed zero1/2 all-reduce the gradients (2P), then all-gather the updated parameters (+P)
+    assert fp32["zero1"] == fp32["zero2"] == pytest.approx(3 * ring32 * P)
+    # zero3 with every parameter released after forward: all-gather forward and backward, reduce-scatter
+    assert fp32["zero3"] == pytest.approx(3 * ring32 * P) == pytest.approx(1.5 * fp32["ddp"])
+    # fsdp: the root unit (embeddings, head) stays gathered from forward to backward
+    assert fp32["fsdp"] == pytest.approx(ring32 * (2 * P + B))
+    # bf16: DeepSpeed communicates in bf16; zerodp's DDP (autocast over fp32 params) and FSDP
+    # (reduce_dtype fp32) reduce fp32 gradients, so their gradient traffic stays at 4 bytes
+    bf16 = vol("bf16")
+    assert bf16["ddp"] == fp32["ddp"] and bf16["zero1"] == pytest.approx(3 * ring16 * P)
+    assert bf16["zero3"] == pytest.approx(3 * ring16 * P)
+    assert bf16["fsdp"] == pytest.approx(ring16 * (P + B) + ring32 * P)
+    # accumulating 4 micro batches: zero1 reduces once, zero2 every micro batch; fsdp reduce-scatters
+    # each one unless it defers (then once); zero3 gathers and reduces every micro batch
+    acc = vol("bf16", 4)
+    assert acc["ddp"] == bf16["ddp"] and acc["zero1"] == bf16["zero1"]
+    assert acc["zero2"] == pytest.approx(9 * ring16 * P) and acc["zero3"] == pytest.approx(12 * ring16 * P)
+    assert acc["fsdp"] == pytest.approx(4 * ring16 * (P + B) + 4 * ring32 * P)
+    assert vol("bf16", 4, defer=True)["fsdp"] == pytest.approx(4 * ring16 * (P + B) + ring32 * P)
+    # DeepSpeed's defaults keep a block gathered from forward to backward when at most 1e9 elements are
+    # fetched in between: the last 10 blocks here (2 x 9 blocks + the embedding < 1e9 elements)
+    regathered = 6 * m.largest_block_params + (P - B)
+    assert vol("bf16", keep=10**9)["zero3"] == pytest.approx(ring16 * (2 * P + regathered))
+    assert sum(comm_bytes(m, Layout("ddp", Cluster(gpus_per_node=1), Workload()))) == 0
+
+
+def test_zero_pads_and_persists_as_deepspeed_does():
+    """Sizes of the tiny test model's collectives at world 3, as measured (tests/test_equivalence.py)."""
+    from zerodp.config import load_config
+    from zerodp.planner import spec_from_model_config
+    from tests.conftest import TINY
+
+    m, c = spec_from_model_config(load_config(None, TINY).model), Cluster(gpus_per_node=3)
+    assert m.params == 34_688
+    w = Workload(precision="fp32", grad_accum_steps=2)
+    ring = 2 / 3 * 4
+    # zero1: one all-reduce of 34,688 gradients; the all-gather of the two flat groups padded to 6: 34,692
+    assert sum(comm_bytes(m, Layout("zero1", c, w))) == int(ring * (2 * 34_688)) + int(ring * 34_692)
+    # zero3: every parameter is under 1e5 elements, so persistent: reduce-scatter each micro batch and
+    # one all-gather after the step, each parameter padded to a multiple of 3: 34,719
+    assert sum(comm_bytes(m, Layout("zero3", c, w))) == int(ring * 2 * 34_719) + int(ring * 34_719)
+    # fsdp: dim 0 padded to a multiple of 3: 35,184 elements, the blocks' 25,806
+    assert sum(comm_bytes(m, Layout("fsdp", c, w))) == int(ring * (2 * (35_184 + 25_806) + 2 * 35_184))
 
 
 def test_step_time_is_6PT_at_mfu_plus_a_third_with_checkpointing():

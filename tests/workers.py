@@ -22,9 +22,14 @@ def train_runs(runs: list[dict]) -> list[dict]:
     for run in runs:
         cfg = load_config(run.get("config"), run["overrides"])
         summary = train(cfg, fresh=run.get("fresh", True), return_weights=True)
+        # rank 0 writes metrics.jsonl: every step's comm_bytes, to check that each step sends the same
+        metrics = Path(cfg.train.out_dir) / "metrics.jsonl"
+        steps = [json.loads(x).get("comm_bytes") for x in metrics.read_text().splitlines()] \
+            if dist.get_rank() == 0 else None
         results.append({"losses": [summary["losses"][k] for k in sorted(summary["losses"])],
                         "weights": summary["weights"], "state_bytes": summary["state_bytes"],
-                        "strategy": summary["strategy"]})
+                        "strategy": summary["strategy"], "comm": summary["comm"],
+                        "comm_steps": steps, "planned": summary["planned"]})
     return results
 
 

@@ -160,6 +160,9 @@ class TrainConfig:
     """A rank whose step takes this fraction longer than the median of the other ranks' is slow..."""
     straggler_patience: int = 5
     """...and is reported as a straggler (once per slow spell) after this many consecutive slow steps."""
+    measure_comm: bool = True
+    """Count the bytes each step hands to collectives (`comm_bytes` in metrics.jsonl) and compare them
+    with the planner's prediction at the end (zerodp/comm.py); false counts nothing."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp import checkpoint, determinism
+from zerodp.comm import CommMeter, PlanCheck
 from zerodp.config import Config, dump_yaml, lr_at
 from zerodp.data import TokenBatches, load_tokens, prefetch, prepared_meta
 from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
@@ -119,7 +120,9 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     """Train per `cfg` under the launcher's process group; return a summary of the run.
 
     The summary holds the strategy name, world size, {step: mean loss} of the steps run here, the
-    bytes rank-local state held at start, and with `return_weights` the final full fp32 weights."""
+    bytes rank-local state held at start, the last step's collectives (`comm`, zerodp.comm) and the
+    planner's prediction beside what was measured (`planned`), and with `return_weights` the final
+    full fp32 weights."""
     determinism.apply(cfg.train.deterministic)  # before CUDA computes anything: cuBLAS reads its workspace setting once
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
     grad_accum = cfg.check_batch_split(env.world_size)
@@ -159,6 +162,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     meta = run_metadata(cfg, name, strategy.layout, env, model)
     ctx = RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, grad_accum, env.local_world_size)
     strategy.setup(model, ctx)
+    meter = CommMeter(cfg.train.measure_comm)  # counts the collectives of each step
 
     start, tokens_seen = 0, 0
     if start_plan.resume_from is not None:
@@ -175,6 +179,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
              f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
              f"world {env.world_size} x accum {grad_accum}")
     log(env, start_plan.why)
+    plan_check = PlanCheck(cfg, env.world_size, *device_memory(env.device, env.local_world_size))
+    log(env, plan_check.prediction())
     if start >= cfg.train.max_steps:
         log(env, f"the run is already complete at step {start}; raise train.max_steps to train further")
 
@@ -205,7 +211,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             t0 = time.perf_counter()
             data_wait = t0 - t_end
             lr = lr_at(cfg, step)
-            local_loss, grad_norm, forward_s = train_step(strategy, micro_batches, lr, env.device)
+            with meter.step():
+                local_loss, grad_norm, forward_s = train_step(strategy, micro_batches, lr, env.device)
             compute = time.perf_counter() - t0
             heartbeat.beat(step + 1)
             probe_s = probe.measure() if probe is not None else 0.0
@@ -226,6 +233,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
                 "max_step_time_s": times[slowest], "slowest_rank": slowest,
                 "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
             }
+            record.update(meter.record())
             found = _find_stragglers(stragglers, per_rank, probe is not None, env)
             if found:
                 record["stragglers"] = found
@@ -271,7 +279,9 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     held = held or strategy.state_bytes()
     summary = {"strategy": name, "world_size": env.world_size, "losses": losses, "preempted": stopped_early,
                "exit_code": 130 if stopped_early and ctrl_c else 0,  # 130 after Ctrl-C, as a shell expects
-               "final_step": done, "state_bytes": held, "straggler_wait_s": stragglers.waited_s}
+               "final_step": done, "state_bytes": held, "straggler_wait_s": stragglers.waited_s,
+               "comm": meter.summary(), "planned": plan_check.compare(meter.summary(), held, env.device)}
+    log(env, plan_check.report(summary["planned"]))
     if return_weights:
         summary["weights"] = strategy.full_state_dict()
     if cfg.train.sample_tokens and not stopped_early:

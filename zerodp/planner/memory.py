@@ -23,6 +23,10 @@ CPU_ADAM_PARAMS_PER_S = 4e9
 """DeepSpeed CPUAdam throughput per node, parameters per second (ZeRO-Offload paper: ~1B in 0.2-0.3 s)."""
 PCIE_BYTES_PER_S = 20e9
 """Host<->GPU copy bandwidth per GPU for offloaded states."""
+ZERO3_PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed's default stage3_param_persistence_threshold (elements)."""
+ZERO3_KEEP_WINDOW = 1_000_000_000
+"""max(stage3_max_reuse_distance, stage3_prefetch_bucket_size) at DeepSpeed's defaults (1e9, 5e7 elements)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,16 @@ class Workload:
     """strategy.bucket_size_mb: DDP buckets and DeepSpeed reduce/all-gather buckets."""
     fsdp_defer_grad_reduce: bool = False
     """strategy.fsdp_defer_grad_reduce: FSDP keeps unsharded fp32 gradients while accumulating."""
+    fsdp_reshard_after_forward: bool = True
+    """strategy.reshard_after_forward: FSDP frees a block's gathered parameters after its forward and
+    all-gathers them again in backward."""
+    zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD
+    """DeepSpeed's stage3_param_persistence_threshold: ZeRO-3 keeps parameters of at most this many
+    elements gathered; they are all-gathered once per step, after the optimizer step."""
+    zero3_keep_window: int = ZERO3_KEEP_WINDOW
+    """ZeRO-3 keeps a parameter gathered after its forward when at most this many parameter elements are
+    fetched before backward uses it again: the larger of DeepSpeed's stage3_max_reuse_distance and
+    stage3_prefetch_bucket_size (a parameter the prefetcher finds still gathered is not released)."""
 
 
 @dataclass(frozen=True)
@@ -192,26 +206,97 @@ def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool) -> int:
     return int(layers + logits)
 
 
-def comm_bytes(params: int, layout: Layout) -> tuple[int, int]:
-    """(overlappable, exposed) bytes each GPU sends per optimizer step. A ring all-reduce sends
-    2(N-1)/N of the data, a reduce-scatter or all-gather (N-1)/N."""
+def comm_bytes(model: ModelSpec, layout: Layout) -> tuple[int, int]:
+    """(overlappable, exposed) bytes each GPU sends per optimizer step, as the engines send them
+    (measured by zerodp.comm; docs/memory_model.md, "Communication per step"). A ring all-reduce sends
+    2(N-1)/N of the data, a reduce-scatter or all-gather (N-1)/N. Sizes include each engine's padding;
+    the few scalar all-reduces of a step (gradient norm, overflow check) are left out."""
     n, w = layout.cluster.world_size, layout.workload
     if n == 1:
         return 0, 0
-    one = (n - 1) / n * params * COMPUTE_BYTES[w.precision]  # one reduce-scatter or all-gather
-    one32 = (n - 1) / n * params * 4  # the same in fp32
+    ring, c, P = (n - 1) / n, COMPUTE_BYTES[w.precision], model.params
     acc, s = w.grad_accum_steps, layout.strategy
-    if s == "ddp":  # all-reduce once per step (no_sync while accumulating), during backward; zerodp's DDP
-        return int(2 * one32), 0  # keeps fp32 gradients (autocast over fp32 parameters)
-    if s == "zero1":  # reduce-scatter at the boundary, all-gather of updated params after the step
-        return int(one), int(one)
-    if s == "zero2":  # reduce-scatter every micro batch (gradients are sharded), then all-gather
-        return int(one * acc), int(one)
-    if s == "fsdp":  # all-gather in forward and in backward every micro batch (compute dtype), fp32
-        reduces = 1 if w.fsdp_defer_grad_reduce else acc  # reduce-scatter (reduce_dtype) per micro batch
-        return int(2 * one * acc + one32 * reduces), 0
-    # zero3: all-gather in forward and in backward, reduce-scatter, every micro batch, prefetched
-    return int(3 * one * acc), 0
+    if s == "ddp":  # all-reduce once per step (no_sync while accumulating) during backward; zerodp's DDP
+        return int(2 * ring * 4 * P), 0  # keeps fp32 gradients (autocast over fp32 parameters)
+    if s in ("zero1", "zero2"):  # DeepSpeed all-reduces the gradients (use_multi_rank_bucket_allreduce),
+        # each rank keeping its partition: at the boundary (zero1) or every micro batch (zero2, whose
+        # gradients are partitioned); after the step it all-gathers the updated 16-bit flat groups.
+        reduces = acc if s == "zero2" else 1
+        return int(2 * ring * c * P * reduces), int(ring * c * _deepspeed_flat_elements(model, n))
+    if s == "zero3":  # every micro batch: reduce-scatter everything, all-gather the parameters above the
+        # persistence threshold in forward, and in backward again those released in between (reuse
+        # distance); the persistent ones are gathered once per step, after the optimizer step
+        persistent, gathered, regathered = _zero3_elements(model, n, w.zero3_persistence_threshold,
+                                                           w.zero3_keep_window)
+        return (int(ring * c * acc * (persistent + 2 * gathered + regathered)),
+                int(ring * c * persistent))
+    # fsdp: every micro batch all-gathers each unit in forward (compute dtype) and, where resharded after
+    # forward (the blocks; the root unit stays gathered), again in backward; reduce-scatters fp32 gradients
+    # every micro batch (once per step with fsdp_defer_grad_reduce)
+    every, blocks = _fsdp_elements(model, n)
+    gathered = every + (blocks if w.fsdp_reshard_after_forward else 0)
+    reduces = 1 if w.fsdp_defer_grad_reduce else acc
+    return int(ring * (acc * c * gathered + reduces * 4 * every)), 0
+
+
+def _shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape; for a --params guess (no architecture) one flat tensor per transformer
+    block and the rest as one tensor."""
+    if model.arch is not None:
+        return model.arch.param_shapes()
+    blocks = {f"blocks.{i}": (model.largest_block_params,) for i in range(model.n_layer)}
+    return {**blocks, "rest": (max(0, model.params - model.n_layer * model.largest_block_params),)}
+
+
+def _fsdp_elements(model: ModelSpec, n: int) -> tuple[int, int]:
+    """(all parameters, the blocks' parameters) as FSDP2 gathers them: dim 0 padded to a multiple of N."""
+    pad = lambda shape: -(-shape[0] // n) * n * math.prod(shape[1:]) if shape else 1  # noqa: E731
+    shapes = _shapes(model)
+    prefix = model.arch.block_prefix + "." if model.arch is not None else "blocks."
+    return (sum(pad(s) for s in shapes.values()),
+            sum(pad(s) for name, s in shapes.items() if name.startswith(prefix)))
+
+
+def _zero3_elements(model: ModelSpec, n: int, threshold: int, keep_window: int) -> tuple[int, int, int]:
+    """(persistent, gathered, regathered) elements as ZeRO-3 partitions them, each parameter padded to a
+    multiple of N. Parameters of at most `threshold` elements persist (stay gathered between uses).
+    A block's others are released after its forward, and gathered again in backward, when the elements
+    fetched in between (the later blocks forward and backward, and what is not in a block) exceed
+    `keep_window`; otherwise they stay gathered until backward. What is not in a block (embeddings,
+    final norm, head) is counted as used before the first block, an upper bound for the head."""
+    shapes = _shapes(model)
+    prefix = model.arch.block_prefix + "." if model.arch is not None else "blocks."
+    persistent = 0
+    blocks: dict[int, int] = {}  # block index -> its non-persistent elements
+    rest = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        padded = -(-numel // n) * n
+        if numel <= threshold:
+            persistent += padded
+        elif name.startswith(prefix):
+            index = int(name[len(prefix):].split(".")[0])
+            blocks[index] = blocks.get(index, 0) + padded
+        else:
+            rest += padded
+    regathered, later = 0, 0
+    for index in sorted(blocks, reverse=True):
+        if 2 * later + rest > keep_window:
+            regathered += blocks[index]
+        later += blocks[index]
+    if 2 * later + rest > keep_window:
+        regathered += rest
+    return persistent, sum(blocks.values()) + rest, regathered
+
+
+def _deepspeed_flat_elements(model: ModelSpec, n: int) -> int:
+    """Elements of DeepSpeed zero1/2's flat 16-bit groups: zerodp.optim.param_groups' two groups
+    (decayed matrices, the rest), each padded to a multiple of 2N (nccl_start_alignment_factor x N)."""
+    groups = [0, 0]
+    for name, shape in _shapes(model).items():
+        embedding = name.endswith(("wte.weight", "wpe.weight", "embed_tokens.weight"))
+        groups[0 if len(shape) >= 2 and not embedding else 1] += math.prod(shape)
+    return sum(-(-g // (2 * n)) * 2 * n for g in groups)
 
 
 def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
@@ -291,7 +376,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     flops_per_token = (6 + (2 if ac else 0)) * model.active_params
     peak = c.gpu.peak_flops_32 if w.precision == "fp32" else c.gpu.peak_flops_16
     compute_s = flops_per_token * tokens / (c.mfu * peak)
-    overlap, exposed = comm_bytes(P, layout)
+    overlap, exposed = comm_bytes(model, layout)
     bw = c.ring_bandwidth
     # Gradient reduction can only hide behind the backward; ZeRO-3/FSDP prefetch behind everything.
     window = compute_s if sharded else compute_s * (4 + (2 if ac else 0)) / (6 + (2 if ac else 0))

@@ -7,7 +7,9 @@ from typing import Optional
 from zerodp.errors import UserError
 from zerodp.planner.choose import Plan, choose
 from zerodp.planner.hardware import Cluster, gpu_from_device_name
-from zerodp.planner.memory import Workload
+from zerodp.planner.memory import (
+    ZERO3_PERSISTENCE_THRESHOLD, Layout, MemoryEstimate, Workload, estimate,
+)
 from zerodp.planner.models import spec_from_model_config
 
 
@@ -17,8 +19,12 @@ def workload_from_config(cfg, world_size: int) -> Workload:
     evenly over `world_size` raises the ConfigError `zerodp train` would stop with."""
     t = cfg.train
     accum = cfg.check_batch_split(world_size)
-    return Workload(t.micro_batch_size, cfg.model.block_size, t.precision, accum, cfg.strategy.bucket_size_mb,
-                    cfg.strategy.fsdp_defer_grad_reduce)
+    s = cfg.strategy
+    zero = (s.deepspeed or {}).get("zero_optimization", {})  # the DeepSpeed settings ZeRO-3's traffic depends on
+    return Workload(t.micro_batch_size, cfg.model.block_size, t.precision, accum, s.bucket_size_mb,
+                    s.fsdp_defer_grad_reduce, s.reshard_after_forward,
+                    int(zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)),
+                    int(max(zero.get("stage3_max_reuse_distance", 1e9), zero.get("stage3_prefetch_bucket_size", 5e7))))
 
 
 def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_name: str = "cpu", *,
@@ -37,6 +43,33 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     Raises UserError for a world size or memory below 1, and train's ConfigError when the global
     batch does not split over `world_size` ranks.
     """
+    cluster, note = _cluster(world_size, device_memory_bytes, device_name, gpus_per_node)
+    requested = True if cfg.model.activation_checkpointing else (None if allow_checkpointing else False)
+    plan = choose(spec_from_model_config(cfg.model), cluster, workload_from_config(cfg, world_size), requested)
+    if note:
+        plan.assumptions.append(note)
+    if plan.activation_checkpointing and not cfg.model.activation_checkpointing and plan.choice:
+        plan.reasons.append("The config has model.activation_checkpointing=false; the plan turns it on "
+                            "(set it to true to make this explicit).")
+    return plan
+
+
+def estimate_for_run(cfg, world_size: int, device_memory_bytes: int, device_name: str = "cpu", *,
+                     gpus_per_node: Optional[int] = None) -> MemoryEstimate:
+    """The planner's estimate for exactly the run `cfg` describes (its strategy, offload flags and
+    activation checkpointing; cfg.strategy.name resolved, not auto) on `world_size` ranks: what
+    `zerodp train` prints at the start and holds the measurement against at the end."""
+    cluster, _ = _cluster(world_size, device_memory_bytes, device_name, gpus_per_node)
+    s = cfg.strategy
+    name = "single" if s.name == "ddp" and world_size == 1 else s.name
+    layout = Layout(name, cluster, workload_from_config(cfg, world_size), s.offload_optimizer, s.offload_params,
+                    cfg.model.activation_checkpointing)
+    return estimate(spec_from_model_config(cfg.model), layout)
+
+
+def _cluster(world_size: int, device_memory_bytes: int, device_name: str,
+             gpus_per_node: Optional[int]) -> tuple[Cluster, Optional[str]]:
+    """The cluster of `world_size` ranks with these devices, and a note when the device is not known."""
     if world_size < 1:
         raise UserError(f"world_size={world_size} must be at least 1")
     if device_memory_bytes <= 0:
@@ -47,12 +80,4 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     gpu, note = gpu_from_device_name(device_name, device_memory_bytes)
     # CPU ranks share the node's RAM: pass it, so the start-up peak of all of them is checked against it
     node_ram = device_memory_bytes * per_node if not gpu.cuda else None
-    cluster = Cluster(gpu=gpu, gpus_per_node=per_node, nodes=world_size // per_node, cpu_ram_bytes=node_ram)
-    requested = True if cfg.model.activation_checkpointing else (None if allow_checkpointing else False)
-    plan = choose(spec_from_model_config(cfg.model), cluster, workload_from_config(cfg, world_size), requested)
-    if note:
-        plan.assumptions.append(note)
-    if plan.activation_checkpointing and not cfg.model.activation_checkpointing and plan.choice:
-        plan.reasons.append("The config has model.activation_checkpointing=false; the plan turns it on "
-                            "(set it to true to make this explicit).")
-    return plan
+    return Cluster(gpu=gpu, gpus_per_node=per_node, nodes=world_size // per_node, cpu_ram_bytes=node_ram), note

@@ -118,7 +118,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     """Train per `cfg` under the launcher's process group; return a summary of the run.
 
     The summary holds the strategy name, world size, {step: mean loss} of the steps run here, the
-    bytes rank-local state held at start, and with `return_weights` the final full fp32 weights."""
+    bytes rank-local state held at start, the run's figures (`run`: Throughput.summary, also printed
+    as the last line before the sample), and with `return_weights` the final full fp32 weights."""
     determinism.apply(cfg.train.deterministic)  # before CUDA computes anything: cuBLAS reads its workspace setting once
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
     grad_accum = cfg.check_batch_split(env.world_size)

@@ -78,3 +78,18 @@ def test_missing_logger_package_is_one_line_naming_the_install(tmp_path, package
     assert lines[-1] == (f"zerodp: error: {key}{'=true' if package == 'tensorboard' else ''} needs the {package} "
                          f"package, which is not installed: pip install 'zerodp[{package}]'"), r.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_wandb_without_a_login_is_one_line(tmp_path):
+    """Online mode without an API key: wandb refuses; every rank stops with one line, no traceback."""
+    env = {k: v for k, v in _env().items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "config"))  # no ~/.netrc, no saved login
+    cmd = [sys.executable, "-m", "zerodp", "train", "configs/llama-tiny.yaml", *LLAMA,
+           f"train.out_dir={tmp_path / 'run'}", "train.wandb=zerodp-test"]
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    line = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]
+    assert line.startswith("zerodp: error: train.wandb=zerodp-test: Weights & Biases could not start a run ("), line
+    assert "run `wandb login`, or set WANDB_MODE=offline" in line, line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

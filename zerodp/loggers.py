@@ -40,7 +40,8 @@ def scalars(record: dict) -> dict[str, float]:
 
 
 class MetricLoggers:
-    """The loggers `cfg.train` asks for, opened on the calling rank (rank 0).
+    """The loggers `cfg.train` asks for, opened on the calling rank (rank 0); UserError if W&B cannot
+    start a run.
 
     `start` is the step the run resumes from: TensorBoard drops the events of the earlier attempt past
     it (as metrics.jsonl drops its lines), and a W&B run is one attempt."""
@@ -54,8 +55,15 @@ class MetricLoggers:
         if cfg.train.wandb:
             import wandb
 
-            self.wandb = wandb.init(project=cfg.train.wandb, dir=str(out_dir), config=cfg.to_dict(),
-                                    name=out_dir.name)
+            try:
+                self.wandb = wandb.init(project=cfg.train.wandb, dir=str(out_dir), config=cfg.to_dict(),
+                                        name=out_dir.name)
+            except wandb.errors.Error as e:  # no API key, no network, a project it may not write to
+                self.close()
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise UserError(f"train.wandb={cfg.train.wandb}: Weights & Biases could not start a run ({first}); "
+                                f"run `wandb login`, or set WANDB_MODE=offline to keep the run in "
+                                f"{out_dir / 'wandb'} and `wandb sync` it later") from None
 
     def log(self, record: dict) -> None:
         values = scalars(record)

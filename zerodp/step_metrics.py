@@ -82,13 +82,12 @@ class Throughput:
 
     def record(self, p: Pending, per_rank: list[list[float]], sync_wait: float) -> dict:
         self.tokens += self.tokens_per_step
-        rank = self.rank
         times = [r[1] + r[2] for r in per_rank]
         slowest = max(range(len(times)), key=lambda r: times[r])
         return {
             "step": p.step, "loss": sum(r[0] for r in per_rank) / len(per_rank), "lr": p.lr,
-            "grad_norm": per_rank[rank][3], "tokens": self.tokens, **self.rate(max(times) + sync_wait),
-            "step_time_s": times[rank], "max_step_time_s": times[slowest], "slowest_rank": slowest,
+            "grad_norm": per_rank[self.rank][3], "tokens": self.tokens, **self.rate(max(times) + sync_wait),
+            "step_time_s": times[self.rank], "max_step_time_s": times[slowest], "slowest_rank": slowest,
             "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
         }
 

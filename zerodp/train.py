@@ -180,7 +180,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     metrics_path = out_dir / "metrics.jsonl"
     if env.rank == 0:
         _truncate_metrics(metrics_path, start)
-    metric_loggers = loggers.MetricLoggers(cfg, out_dir, start) if env.rank == 0 else None
+    metric_loggers = agree(env, lambda: loggers.MetricLoggers(cfg, out_dir, start) if env.rank == 0 else None)
     heartbeat = Heartbeat(env.rank, env.world_size, env.hosts)
     heartbeat.beat(start)  # a peer lost during the first step is named too
     stragglers = StragglerMonitor(env.hosts, cfg.train.straggler_margin, cfg.train.straggler_patience)

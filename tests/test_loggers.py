@@ -71,13 +71,14 @@ def test_missing_logger_package_is_one_line_naming_the_install(tmp_path, package
               f"sys.exit(main(sys.argv[1:]))")
     cmd = [sys.executable, "-c", script, "train", "configs/llama-tiny.yaml", *LLAMA, f"train.out_dir={tmp_path}",
            f"{key}={value}"]
-    r = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert lines[-1] == (f"zerodp: error: {key}{'=true' if package == 'tensorboard' else ''} needs the {package} "
-                         f"package, which is not installed: pip install 'zerodp[{package}]'"), r.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()
+    for dry_run in ([], ["--dry-run"]):  # a dry run checks it too
+        r = subprocess.run(cmd + dry_run, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert "Traceback" not in r.stderr
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert lines[-1] == (f"zerodp: error: {key}{'=true' if package == 'tensorboard' else ''} needs the "
+                             f"{package} package, which is not installed: pip install 'zerodp[{package}]'"), r.stderr
+        assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_wandb_without_a_login_is_one_line(tmp_path):

@@ -2,8 +2,9 @@
 
 - `Preemption`: SIGTERM, SIGUSR1 (Slurm's warning before the time limit) or a first Ctrl-C (SIGINT)
   sets a flag; the loop shares it with the metrics it exchanges at its next sync point (at most
-  train.log_every steps later), so every rank stops after the same step, saves, and exits together. A second Ctrl-C stops at once. A watchdog ends the process if saving takes
-  longer than the grace period.
+  train.log_every steps later), so every rank stops after the same step, saves, and exits together. A
+  second Ctrl-C stops at once. A watchdog ends the process if those steps and the save take longer
+  than the grace period.
 - `Heartbeat`: each rank records its last finished step in the job's key-value store; when a
   collective fails or times out, the survivors name the rank(s) and host(s) that stopped answering.
 - `PeerWatch`: a side thread for what the main thread cannot see while a collective holds it in C++

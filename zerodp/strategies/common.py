@@ -100,7 +100,8 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
-def replicated_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, lr: float, clip: float) -> torch.Tensor:
+def replicated_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, lr: float,
+                    clip: float) -> torch.Tensor:
     """The optimizer step of a strategy whose ranks hold whole gradients (single, ddp): unscale (fp16),
     clip to the global norm, step, zero the gradients; return the norm before clipping, a tensor on the
     device (the loop fetches it at its next sync point)."""

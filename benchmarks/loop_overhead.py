@@ -242,6 +242,7 @@ def plain_worker(args) -> None:
             opt.zero_grad(set_to_none=True)
         if (step + 1) % args.log_every == 0 and rank == 0:
             print(f"plain: step {step + 1}/{args.steps}: loss {loss_sum.item() / accum:.4f}", flush=True)
+    dist.barrier()  # no rank tears the group down while another still talks (ZeRO-3 aborted without it)
     dist.destroy_process_group()
 
 

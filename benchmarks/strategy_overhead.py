@@ -192,7 +192,9 @@ def worker(args) -> None:
         strategy.setup(GPT(cfg.model), ctx)
         torch.manual_seed(0)
         raw_step = RAW[name](GPT(cfg.model).to(env.device), cfg, ctx)
-        loops = {"zerodp": lambda mb: train_step(strategy, mb, 1e-4, env.device)[:2], "raw": lambda mb: raw_step(mb, 1e-4)}
+        # float(): the figures to the host, as the raw loops do with .item()
+        loops = {"zerodp": lambda mb: [float(v) for v in train_step(strategy, mb, 1e-4, env.device)[:2]],
+                 "raw": lambda mb: raw_step(mb, 1e-4)}
         times = {"zerodp": [], "raw": []}
         step = 0
         for which in ("zerodp", "raw"):  # warm-up: first steps allocate and build buffers

@@ -264,7 +264,9 @@ def test_sigterm_while_blocked_on_a_hung_peer_exits_promptly(tiny, tmp_path):
     from zerodp import checkpoint
 
     out = tmp_path / "run"
-    kwargs = {"overrides": small(tiny, out, steps=500, every=2) + ["train.progress=false", "strategy.timeout_s=60"],
+    # train.log_every=1: every step's line is out when it ends (the loop's default fetches every 10th)
+    kwargs = {"overrides": small(tiny, out, steps=500, every=2) + ["train.progress=false", "strategy.timeout_s=60",
+                                                                   "train.log_every=1"],
               "rank": 1, "step": 5, "seconds": 60}
     procs = start_pair([sys.executable, "-m", "tests.harness", "tests.workers:hang_at_step", json.dumps(kwargs),
                         str(tmp_path), "cpu"])

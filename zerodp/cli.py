@@ -92,6 +92,7 @@ def _dry_run(cfg, fresh: bool) -> int:
     config, the keys that differ from the defaults and where the run would start. Writes nothing."""
     import torch
 
+    from zerodp import loggers
     from zerodp.config import changed_keys, dump_yaml
     from zerodp.data import load_tokens
     from zerodp.planner import plan_for_training
@@ -108,6 +109,7 @@ def _dry_run(cfg, fresh: bool) -> int:
     check_config(resolved, world, accum)  # the strategy's own settings (strategy.deepspeed keys, offload)
     start = plan_start(resolved, fresh, set_aside_damaged=False)  # model vs checkpoint / init_from
     tokens = load_tokens(resolved)  # the data source exists and its tokens fit the vocabulary
+    loggers.check(resolved.train)  # train.tensorboard / train.wandb: their package is installed
     if plan is None:
         memory, name = device_memory(device, local)
         plan = plan_for_training(cfg, world, memory, name)

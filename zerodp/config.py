@@ -149,7 +149,18 @@ class TrainConfig:
     progress: bool = True
     """Show a live progress bar on rank 0; false prints one line every log_every steps instead."""
     log_every: int = 10
-    """Without a progress bar (train.progress=false), print loss, lr and tokens/s every this many steps."""
+    """The host-sync interval: loss, grad norm and the per-rank timings stay on the device and are fetched
+    (and exchanged between ranks, with any preemption request) once every this many steps, and at every
+    checkpoint, validation and the last step; metrics.jsonl still gets every step's line. Without a
+    progress bar (train.progress=false) a console line is printed at each of these steps too."""
+    tensorboard: bool = False
+    """Write every scalar of metrics.jsonl to <out_dir>/tensorboard (pip install 'zerodp[tensorboard]')."""
+    wandb: str = ""
+    """A Weights & Biases project to log every scalar of metrics.jsonl to (pip install 'zerodp[wandb]');
+    empty: off. WANDB_MODE=offline keeps the run in <out_dir>/wandb."""
+    peak_tflops: float = 0.0
+    """One device's peak TFLOP/s for the MFU figure; 0: the planner's table for the CUDA device and
+    train.precision (no MFU on a CPU or an unknown device)."""
     sample_tokens: int = 200
     """Tokens generated from the final model and printed at the end; 0 disables."""
     device: str = "auto"
@@ -287,6 +298,7 @@ class Config:
         _non_negative("train.eval_every", t.eval_every)
         _positive("train.eval_batches", t.eval_batches)
         _positive("train.log_every", t.log_every)
+        _non_negative("train.peak_tflops", t.peak_tflops)
         _non_negative("train.sample_tokens", t.sample_tokens)
         _positive("train.preempt_grace_s", t.preempt_grace_s)
         _positive("train.straggler_margin", t.straggler_margin)

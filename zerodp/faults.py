@@ -1,9 +1,10 @@
 """Surviving the things that go wrong at scale: preemption, dead or hung peers, stragglers.
 
 - `Preemption`: SIGTERM, SIGUSR1 (Slurm's warning before the time limit) or a first Ctrl-C (SIGINT)
-  sets a flag; the loop shares it with the step's metrics, so every rank finishes the current step,
-  saves, and exits together. A second Ctrl-C stops at once. A watchdog ends the process if saving takes
-  longer than the grace period.
+  sets a flag; the loop shares it with the metrics it exchanges at its next sync point (at most
+  train.log_every steps later), so every rank stops after the same step, saves, and exits together. A
+  second Ctrl-C stops at once. A watchdog ends the process if those steps and the save take longer
+  than the grace period.
 - `Heartbeat`: each rank records its last finished step in the job's key-value store; when a
   collective fails or times out, the survivors name the rank(s) and host(s) that stopped answering.
 - `PeerWatch`: a side thread for what the main thread cannot see while a collective holds it in C++
@@ -65,8 +66,8 @@ class Preemption:
     @property
     def request_code(self) -> float:
         """0: no request; 1: SIGTERM/SIGUSR1 (exit 0 after the checkpoint, the job stopped cleanly);
-        CTRL_C: Ctrl-C (exit 130 after the checkpoint, as a shell expects). Shared by the step's
-        all-gather."""
+        CTRL_C: Ctrl-C (exit 130 after the checkpoint, as a shell expects). Shared by the loop's
+        all-gather at its sync points."""
         if self.requested_at is None:
             return 0.0
         return self.CTRL_C if self.signal_name == "SIGINT" else 1.0
@@ -81,8 +82,8 @@ class Preemption:
         self.requested_at = time.monotonic()
         self.signal_name = signal.Signals(signum).name
         if signum == signal.SIGINT and self.announce:
-            print("\nzerodp: Ctrl-C: finishing this step, then saving a checkpoint and exiting; "
-                  "press Ctrl-C again to stop at once without saving", file=sys.stderr, flush=True)
+            print("\nzerodp: Ctrl-C: training on to the next log step (train.log_every), then saving a checkpoint "
+                  "and exiting; press Ctrl-C again to stop at once without saving", file=sys.stderr, flush=True)
         threading.Thread(target=self._watchdog, daemon=True, name="zerodp-grace").start()
 
     def _watchdog(self) -> None:
@@ -427,7 +428,7 @@ class DeviceProbe:
     """A fixed matrix-multiply workload timed on this rank's device: its speed, free of communication.
 
     Sized to take about a millisecond (a 2048-wide bf16 product 8 times on a GPU, a 160-wide fp32 one
-    on a CPU core), i.e. well under 1% of a training step. Run it after the step has synchronised."""
+    on a CPU core), i.e. well under 1% of a training step. Queued after the step, on the same stream."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -437,17 +438,16 @@ class DeviceProbe:
         self.a = torch.randn(n, n, generator=gen).to(device, dtype)
         self.b = torch.randn(n, n, generator=gen).to(device, dtype)
         self.reps = 8
-        self.measure()  # warm-up: kernel selection and caches are not the device's speed
+        self.launch()  # warm-up: kernel selection and caches are not the device's speed
 
-    def measure(self) -> float:
-        """Seconds for the workload (CUDA events on a GPU, where kernels run asynchronously)."""
+    def launch(self) -> Stopwatch:
+        """Queue the workload; its Stopwatch reads the seconds once the device has been synchronised
+        (the loop does that once per log interval, not per step)."""
         watch = Stopwatch(self.device)
         with watch:
             for _ in range(self.reps):
                 torch.mm(self.a, self.b)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return watch.seconds()
+        return watch
 
 
 def compute_from_probe(forward_s: list[float], probe_s: list[float]) -> list[float]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zerodp import checkpoint, determinism
+from zerodp import checkpoint, determinism, loggers
 from zerodp.comm import CommMeter, PlanCheck
 from zerodp.config import Config, dump_yaml, lr_at
 from zerodp.data import TokenBatches, load_tokens, prefetch, prepared_meta
@@ -20,8 +20,9 @@ from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distr
 from zerodp.errors import PeerFailure, UserError
 from zerodp.faults import (DeviceProbe, Heartbeat, PeerWatch, Preemption, Stopwatch, StragglerMonitor,
                            compute_from_probe)
-from zerodp.models import build_model, compile_blocks, param_count
+from zerodp.models import build_model, compile_blocks, flops_per_token, param_count
 from zerodp.sample import sample
+from zerodp.step_metrics import Pending, Throughput, describe_run, fetch_interval, peak_flops
 from zerodp.start import plan_start
 from zerodp.strategies import RunContext, make_strategy
 
@@ -120,9 +121,10 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     """Train per `cfg` under the launcher's process group; return a summary of the run.
 
     The summary holds the strategy name, world size, {step: mean loss} of the steps run here, the
-    bytes rank-local state held at start, the last step's collectives (`comm`, zerodp.comm) and the
-    planner's prediction beside what was measured (`planned`), and with `return_weights` the final
-    full fp32 weights."""
+    bytes rank-local state held at start, the last step's collectives (`comm`, zerodp.comm), the
+    planner's prediction beside what was measured (`planned`), the run's figures (`run`:
+    Throughput.summary, also printed as the last line before the sample), and with `return_weights`
+    the final full fp32 weights."""
     determinism.apply(cfg.train.deterministic)  # before CUDA computes anything: cuBLAS reads its workspace setting once
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
     grad_accum = cfg.check_batch_split(env.world_size)
@@ -137,6 +139,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         log(env, "restarted attempt: --fresh ignored, resuming from the newest checkpoint")
 
     agree(env, lambda: check_out_dir(out_dir))  # on every rank: each checks its own file system
+    agree(env, lambda: loggers.check(cfg.train) if env.rank == 0 else None)  # rank 0 logs
     # Where the run starts, checked before anything is written: a checkpoint of another model is refused.
     start_plan = broadcast_object(agree(env, lambda: plan_start(cfg, fresh, set_aside_damaged=True, rank=env.rank)))
 
@@ -187,21 +190,28 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     metrics_path = out_dir / "metrics.jsonl"
     if env.rank == 0:
         _truncate_metrics(metrics_path, start)
+    metric_loggers = agree(env, lambda: loggers.MetricLoggers(cfg, out_dir, start) if env.rank == 0 else None)
     heartbeat = Heartbeat(env.rank, env.world_size, env.hosts)
     heartbeat.beat(start)  # a peer lost during the first step is named too
     stragglers = StragglerMonitor(env.hosts, cfg.train.straggler_margin, cfg.train.straggler_patience)
     # Where the forward all-gathers parameters, its time is the slowest rank's on every rank: probe instead.
     probe = DeviceProbe(env.device) if strategy.gathers_in_forward and env.world_size > 1 else None
     preemption = Preemption(cfg.train.preempt_grace_s, announce=env.rank == 0)
+    peak, no_peak = peak_flops(cfg, env.device)
+    if no_peak:
+        log(env, no_peak)
+    throughput = Throughput(cfg, env.rank, env.world_size, flops_per_token(cfg.model), peak, tokens_seen)
     bar = _progress(cfg, env, start)
     # A side thread for a peer that stops answering and for a signal while a collective blocks this thread.
     watch = PeerWatch(heartbeat, preemption, cfg.strategy.timeout_s, say=lambda line: _say(bar, line),
                       newest_checkpoint=lambda: _newest_checkpoint(out_dir))
-    tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
     losses: dict[int, float] = {}
+    records: list[dict] = []
     held: dict[int, int] = {}
+    pending: list[Pending] = []
+    step_comm: dict[int, dict] = {}  # each pending step's collectives (zerodp.comm), for its record
     stopped_early = ctrl_c = False
-    step, done = start, start
+    step, done, save_s = start, start, 0.0
     t_end = time.perf_counter()
     strategy.model.train()
     watch.start(start)
@@ -209,53 +219,62 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         for step, micro_batches in prefetch(train_data, range(start, cfg.train.max_steps), cfg,
                                             env.rank, env.world_size, cfg.data.prefetch):
             t0 = time.perf_counter()
-            data_wait = t0 - t_end
             lr = lr_at(cfg, step)
-            with meter.step():
-                local_loss, grad_norm, forward_s = train_step(strategy, micro_batches, lr, env.device)
-            compute = time.perf_counter() - t0
-            heartbeat.beat(step + 1)
-            probe_s = probe.measure() if probe is not None else 0.0
-            # One small all-gather per step: losses, per-rank times and any preemption request.
-            per_rank = all_gather_floats([local_loss, compute, data_wait, preemption.request_code, forward_s,
-                                          probe_s])
-            sync_wait = time.perf_counter() - t0 - compute - probe_s
-            watch.step_done(step + 1, data_wait + time.perf_counter() - t0)
-            loss_mean = sum(r[0] for r in per_rank) / env.world_size
-            times = [r[1] + r[2] for r in per_rank]
-            slowest = max(range(env.world_size), key=lambda r: times[r])
+            timer = Stopwatch(env.device)
+            with meter.step(), timer:
+                local_loss, grad_norm, forward = train_step(strategy, micro_batches, lr, env.device)
             done = step + 1
-            tokens_seen += tokens_per_step
-            losses[done] = loss_mean
-            record = {
-                "step": done, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_seen,
-                "tokens_per_s": tokens_per_step / (max(times) + sync_wait), "step_time_s": compute + data_wait,
-                "max_step_time_s": times[slowest], "slowest_rank": slowest,
-                "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
-            }
-            record.update(meter.record())
-            found = _find_stragglers(stragglers, per_rank, probe is not None, env)
-            if found:
-                record["stragglers"] = found
-            if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.max_steps):
-                record["val_loss"] = evaluate(strategy, val_data, cfg, env)
-            if env.rank == 0:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            # Nothing below waits for the device until the sync point: the figures stay where they are.
+            pending.append(Pending(done, lr, local_loss, grad_norm, timer, forward, t0 - t_end,
+                                   probe.launch() if probe is not None else None))
+            step_comm[done] = meter.record()  # counted on the host as the collectives were issued
+            heartbeat.beat(done)  # a write to the job's store, not a device sync
             if not held:  # after the first step, when gradients and optimizer state exist
                 held = strategy.state_bytes()
                 log(env, "rank 0 holds after the first step: " + ", ".join(
                     f"{k} {v / 2**20:.1f} MiB" if v or k != "grads" else "grads freed between steps"
                     for k, v in held.items()))
-            _report_step(env, bar, cfg, record)
-            stop = any(r[3] for r in per_rank)  # the signal of any rank stops all of them
-            if stop or done == cfg.train.max_steps or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0):
-                trainer_state = {"step": done, "tokens": tokens_seen, "loss": loss_mean}
+            evaluate_now = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.max_steps)
+            save_now = done == cfg.train.max_steps or (cfg.checkpoint.every and done % cfg.checkpoint.every == 0)
+            if not (evaluate_now or save_now or done % cfg.train.log_every == 0):
+                watch.step_done(done, time.perf_counter() - t_end)
+                t_end = time.perf_counter()
+                continue
+            # A sync point: the interval's figures come to the host in one device sync and go to every
+            # rank in one all-gather, with any preemption request.
+            per_step, sync_wait, stop = fetch_interval(pending, preemption.request_code)
+            watch.step_done(done, time.perf_counter() - t_end)
+            new = []
+            for p, per_rank in zip(pending, per_step):
+                record = throughput.record(p, per_rank, sync_wait if p is pending[-1] else 0.0)
+                record.update(step_comm.pop(p.step, {}))
+                losses[p.step] = record["loss"]
+                found = _find_stragglers(stragglers, per_rank, probe is not None, env)
+                if found:
+                    record["stragglers"] = found
+                new.append(record)
+            pending = []
+            if evaluate_now:
+                new[-1]["val_loss"] = evaluate(strategy, val_data, cfg, env)
+            records += new
+            if env.rank == 0:
+                with open(metrics_path, "a") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in new)
+                for r in new:
+                    metric_loggers.log(r)
+            for r in new:
+                _report_step(env, bar, cfg, r)
+            if stop or save_now:
+                trainer_state = {"step": done, "tokens": throughput.tokens, "loss": losses[done]}
                 watch.saving = True  # a signal now waits for the save (within the grace period)
+                t_save = time.perf_counter()
                 checkpoint.save(strategy, out_dir, done, trainer_state, meta, cfg.checkpoint.keep_last)
+                save_s += time.perf_counter() - t_save
                 watch.saving = False
+                if metric_loggers is not None:
+                    metric_loggers.flush()
             if stop:
-                ctrl_c = any(r[3] == Preemption.CTRL_C for r in per_rank)
+                ctrl_c = stop == Preemption.CTRL_C
                 what = "Ctrl-C" if ctrl_c else "preempted"
                 log(env, f"{what}: stopped after step {done}, checkpoint saved; "
                          f"run the same command again to continue")
@@ -271,15 +290,20 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         preemption.restore()
         if bar is not None:
             bar.close()
+        if metric_loggers is not None:
+            metric_loggers.close()
     if stragglers.waited_s > 0 and env.world_size > 1:
         named = ", ".join(f"rank {r} on {env.hosts[r]} ({cause})" for r, cause in sorted(stragglers.reported.items()))
         log(env, f"time spent waiting for the slowest rank: {stragglers.waited_s:.1f}s"
                  + (f"; stragglers: {named}" if named else ""))
+    run = throughput.summary(records, stragglers.waited_s, save_s)
+    if run:
+        log(env, describe_run(run))
 
     held = held or strategy.state_bytes()
     summary = {"strategy": name, "world_size": env.world_size, "losses": losses, "preempted": stopped_early,
                "exit_code": 130 if stopped_early and ctrl_c else 0,  # 130 after Ctrl-C, as a shell expects
-               "final_step": done, "state_bytes": held, "straggler_wait_s": stragglers.waited_s,
+               "final_step": done, "state_bytes": held, "straggler_wait_s": stragglers.waited_s, "run": run,
                "comm": meter.summary(), "planned": plan_check.compare(meter.summary(), held, env.device)}
     log(env, plan_check.report(summary["planned"]))
     if return_weights:
@@ -291,17 +315,20 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
 
 
 def _report_step(env: DistEnv, bar, cfg: Config, record: dict) -> None:
-    """The step on the console: the progress bar's figures, or without a bar one line every
-    train.log_every steps; a validation loss always gets its own line."""
+    """The step on the console (at the sync point that fetched it): the progress bar's figures, or
+    without a bar one line every train.log_every steps; a validation loss always gets its own line."""
     if env.rank != 0:
         return
     if bar is not None:
-        bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}")
+        mfu = {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
+        bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}",
+                        **mfu)
         bar.update(1)
     step = record["step"]
     if bar is None and (step % cfg.train.log_every == 0 or step == cfg.train.max_steps):
+        mfu = f", MFU {record['mfu']:.1%}" if "mfu" in record else ""
         log(env, f"step {step}/{cfg.train.max_steps}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
-                 f"grad_norm {record['grad_norm']:.3f}, {record['tokens_per_s']:,.0f} tokens/s")
+                 f"grad_norm {record['grad_norm']:.3f}, {record['tokens_per_s']:,.0f} tokens/s{mfu}")
     if "val_loss" in record:
         log(env, f"step {step}: val_loss {record['val_loss']:.4f}")
 
@@ -325,12 +352,13 @@ def _find_stragglers(monitor: StragglerMonitor, per_rank: list[list[float]], pro
     return found
 
 
-def train_step(strategy, micro_batches: list, lr: float, device: torch.device) -> tuple[float, float, float]:
-    """One optimizer step over this rank's micro batches.
+def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
+    """One optimizer step over this rank's micro batches, without waiting for the device.
 
-    Returns (mean local loss, global grad norm, seconds in forward passes). Forward time is the
-    straggler signal: under ddp/zero1/zero2 it holds no communication, so a slow rank shows there,
-    while the fast ranks' waiting hides inside the backward's gradient reduction."""
+    Returns (mean local loss, a 0-d tensor; global grad norm, a tensor or the float DeepSpeed hands
+    back; a Stopwatch of the forward passes, read after a device sync). Forward time is the straggler
+    signal: under ddp/zero1/zero2 it holds no communication, so a slow rank shows there, while the fast
+    ranks' waiting hides inside the backward's gradient reduction."""
     loss_sum = torch.zeros((), device=device)
     forward = Stopwatch(device)
     for i, (x, y) in enumerate(micro_batches):
@@ -341,7 +369,7 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device) -
             strategy.backward(loss)
         loss_sum += loss.detach().float()
     grad_norm = strategy.step(lr)
-    return (loss_sum / len(micro_batches)).item(), grad_norm, forward.seconds()  # .item() syncs the device
+    return loss_sum / len(micro_batches), grad_norm, forward
 
 
 @torch.no_grad()

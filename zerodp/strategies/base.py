@@ -75,10 +75,12 @@ class Strategy(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of a micro-batch mean loss, scaled by 1/grad_accum_steps (and the loss scale)."""
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float) -> torch.Tensor | float:
         """Set lr, clip to optim.grad_clip, take the optimizer step, zero the gradients.
 
-        Returns the global gradient L2 norm before clipping (identical on every rank)."""
+        Returns the global gradient L2 norm before clipping (identical on every rank): a tensor on the
+        device where the strategy computes it there, so the step never waits for the device; a float
+        where the engine already brought it to the host (DeepSpeed)."""
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, counted from live tensors: keys 'params', 'grads', 'optim'."""

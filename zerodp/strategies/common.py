@@ -100,16 +100,18 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         g["lr"] = lr
 
 
-def replicated_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, lr: float, clip: float) -> float:
+def replicated_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, lr: float,
+                    clip: float) -> torch.Tensor:
     """The optimizer step of a strategy whose ranks hold whole gradients (single, ddp): unscale (fp16),
-    clip to the global norm, step, zero the gradients; return the norm before clipping."""
+    clip to the global norm, step, zero the gradients; return the norm before clipping, a tensor on the
+    device (the loop fetches it at its next sync point)."""
     set_lr(optimizer, lr)
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return norm.detach()
 
 
 def replicated_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -53,7 +53,7 @@ class DDPStrategy:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss / self.ctx.grad_accum_steps).backward()
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float) -> torch.Tensor:
         return replicated_step(self.module, self.optimizer, self.scaler, lr, self.ctx.cfg.optim.grad_clip)
 
     def state_bytes(self) -> dict[str, int]:

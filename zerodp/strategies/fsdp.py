@@ -153,7 +153,7 @@ class FSDPStrategy:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss / self.ctx.grad_accum_steps).backward()
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float) -> torch.Tensor:
         set_lr(self.optimizer, lr)
         self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -167,7 +167,7 @@ class FSDPStrategy:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm.detach()
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's bytes, counted from live tensors (padding of uneven shards included).

@@ -36,7 +36,7 @@ class SingleStrategy:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss / self.ctx.grad_accum_steps).backward()
 
-    def step(self, lr: float) -> float:
+    def step(self, lr: float) -> torch.Tensor:
         return replicated_step(self.model, self.optimizer, self.scaler, lr, self.ctx.cfg.optim.grad_clip)
 
     def state_bytes(self) -> dict[str, int]:

@@ -1,0 +1,128 @@
+"""A step's figures, from the device to metrics.jsonl: the loop keeps each step's loss, grad norm and
+timings where they were computed (`Pending`) and fetches a whole interval of them at its next sync
+point (`fetch_interval`: one device sync, one all-gather), so a step that does not log never waits for
+the device. `Throughput` turns them into records with tokens/s and MFU, and the run's summary line.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zerodp.config import Config
+from zerodp.dist import all_gather_floats
+from zerodp.faults import Stopwatch
+
+
+@dataclass
+class Pending:
+    """A step whose figures are still where they were computed (on a GPU: on the device), until the
+    next sync point fetches them."""
+
+    step: int
+    lr: float
+    loss: torch.Tensor
+    """This rank's mean loss over its micro batches, a 0-d tensor."""
+    grad_norm: torch.Tensor | float
+    """A tensor where the strategy computes it on the device; DeepSpeed hands back a float."""
+    timer: Stopwatch
+    """The whole step: forward, backward and the optimizer."""
+    forward: Stopwatch
+    data_wait_s: float
+    """Host seconds spent waiting for this step's batch."""
+    probe: Stopwatch | None
+
+
+def fetch_interval(pending: list[Pending], request_code: float):
+    """The figures of the steps since the last sync point, on every rank.
+
+    One device sync (the stacked losses and norms to the host; the Stopwatches' CUDA events are done
+    then) and one all-gather. Returns (per step: one row per rank of [loss, step seconds, data wait,
+    grad norm, forward seconds, probe seconds]; seconds the all-gather took; the highest preemption
+    request of any rank, 0 for none: the signal of any rank stops all of them)."""
+    on_device = [v.detach().float() for p in pending for v in (p.loss, p.grad_norm) if torch.is_tensor(v)]
+    fetched = iter(torch.stack(on_device).tolist())
+    values = []
+    for p in pending:
+        loss = next(fetched)
+        norm = next(fetched) if torch.is_tensor(p.grad_norm) else p.grad_norm
+        values += [loss, p.timer.seconds(), p.data_wait_s, norm, p.forward.seconds(),
+                   p.probe.seconds() if p.probe is not None else 0.0]
+    t0 = time.perf_counter()
+    gathered = all_gather_floats(values + [request_code])
+    sync_wait = time.perf_counter() - t0
+    width = len(values) // len(pending)
+    per_step = [[r[i * width:(i + 1) * width] for r in gathered] for i in range(len(pending))]
+    return per_step, sync_wait, max(r[-1] for r in gathered)
+
+
+class Throughput:
+    """Turns a step's per-rank figures into its metrics.jsonl record: tokens/s (all ranks and per
+    device) and, where the device's peak is known, MFU: the model's FLOPs per token
+    (`zerodp.models.flops_per_token`: 6 per multiplying parameter plus attention) times tokens/s per
+    device, over the peak. A step's time is the slowest rank's, plus the wait for the exchange at a
+    sync point; the tokens are the whole global batch."""
+
+    def __init__(self, cfg: Config, rank: int, world_size: int, flops_per_token: int, peak: float | None,
+                 tokens: int = 0):
+        self.rank, self.world_size, self.flops, self.peak = rank, world_size, flops_per_token, peak
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
+        self.tokens = tokens
+        """Tokens trained on so far, the resumed run's included."""
+
+    def rate(self, seconds: float) -> dict:
+        tokens_per_s = self.tokens_per_step / seconds
+        out = {"tokens_per_s": tokens_per_s, "tokens_per_s_per_device": tokens_per_s / self.world_size}
+        if self.peak:
+            out["mfu"] = self.flops * out["tokens_per_s_per_device"] / self.peak
+        return out
+
+    def record(self, p: Pending, per_rank: list[list[float]], sync_wait: float) -> dict:
+        self.tokens += self.tokens_per_step
+        times = [r[1] + r[2] for r in per_rank]
+        slowest = max(range(len(times)), key=lambda r: times[r])
+        return {
+            "step": p.step, "loss": sum(r[0] for r in per_rank) / len(per_rank), "lr": p.lr,
+            "grad_norm": per_rank[self.rank][3], "tokens": self.tokens, **self.rate(max(times) + sync_wait),
+            "step_time_s": times[self.rank], "max_step_time_s": times[slowest], "slowest_rank": slowest,
+            "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
+        }
+
+    def summary(self, records: list[dict], straggler_wait_s: float, save_s: float) -> dict:
+        """The run's figures: at the median step (of the job: the slowest rank's time plus the exchange),
+        and the seconds the job waited for data, for stragglers and for checkpoint saves."""
+        if not records:
+            return {}
+        step_s = statistics.median(self.tokens_per_step / r["tokens_per_s"] for r in records)
+        return {"steps": len(records), "median_step_s": step_s, **self.rate(step_s),
+                "data_wait_s": sum(r["data_wait_s"] for r in records), "straggler_wait_s": straggler_wait_s,
+                "checkpoint_save_s": save_s}
+
+
+def describe_run(run: dict) -> str:
+    """The run summary line."""
+    mfu = f", MFU {run['mfu']:.1%}" if "mfu" in run else ""
+    return (f"run: {run['steps']} steps, median step {run['median_step_s']:.3f}s, "
+            f"{run['tokens_per_s']:,.0f} tokens/s ({run['tokens_per_s_per_device']:,.0f} per device){mfu}; "
+            f"waited {run['data_wait_s']:.1f}s for data, {run['straggler_wait_s']:.1f}s for stragglers, "
+            f"{run['checkpoint_save_s']:.1f}s for checkpoint saves")
+
+
+def peak_flops(cfg: Config, device: torch.device) -> tuple[float | None, str]:
+    """One device's peak FLOP/s for MFU at train.precision: train.peak_tflops, else the planner's table
+    for a CUDA device (dense 16-bit tensor-core peak, or fp32 without TF32). None on a CPU, and with a
+    line saying why for a GPU the table does not know."""
+    if cfg.train.peak_tflops:
+        return cfg.train.peak_tflops * 1e12, ""
+    if device.type != "cuda":
+        return None, ""
+    from zerodp.planner.hardware import gpu_from_device_name
+
+    name = torch.cuda.get_device_name(device)
+    spec, unknown = gpu_from_device_name(name, 0)
+    if unknown:
+        return None, f"no MFU: {name} is not in the planner's table; give its peak with train.peak_tflops"
+    return spec.peak_flops_32 if cfg.train.precision == "fp32" else spec.peak_flops_16, ""

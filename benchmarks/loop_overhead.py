@@ -32,6 +32,8 @@ import tempfile
 import threading
 import time
 
+from zerodp.errors import OneLineParser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_LINE = re.compile(r"step (\d+)/(\d+): loss")
 # A GPT whose step takes about half a second on 2 CPU processes: the loop's fixed costs are measured
@@ -41,14 +43,9 @@ MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.block_s
 VARIANTS = ("zerodp", "default", "zerodp-settings")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse would print the usage block too)
-        print(f"loop_overhead.py: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
 
 def parse_args():
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategies", default="ddp,zero1,zero2,zero3,fsdp")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--nproc", type=int, default=2)

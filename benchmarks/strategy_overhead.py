@@ -20,17 +20,14 @@ import subprocess
 import sys
 import time
 
+from zerodp.errors import OneLineParser
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse would print the usage block too)
-        print(f"strategy_overhead.py: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
 
 def parse_args():
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=None,
                    help="processes: default one per GPU, at most 2 (python -m zerodp.devices count), else 2 on the CPU")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

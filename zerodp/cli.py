@@ -11,13 +11,12 @@ import sys
 import time
 import warnings
 
-from zerodp.errors import PeerFailure, UserError
+from zerodp.errors import OneLineParser, PeerFailure, UserError
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse would print the usage block too)
-        print(f"zerodp: error: {message}; see '{self.prog} --help'", file=sys.stderr)
-        sys.exit(2)
+class _Parser(OneLineParser):
+    def error_line(self, message: str) -> str:
+        return f"zerodp: error: {message}; see '{self.prog} --help'"
 
 
 def _add_train(sub) -> None:

@@ -17,6 +17,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+from zerodp.errors import OneLineParser
+
 # Values of CUDA_VISIBLE_DEVICES that hide every GPU: answered without importing torch (seconds).
 _HIDES_ALL = ("", "-1", "NoDevFiles")
 
@@ -44,10 +46,9 @@ def count_gpus(max_gpus: int | None = None, environ: Mapping[str, str] = os.envi
     return usable_gpus(torch.cuda.device_count(), visible, max_gpus)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse would print the usage block too)
-        print(f"{self.prog}: error: {message}; see '{self.prog} --help'", file=sys.stderr)
-        sys.exit(2)
+class _Parser(OneLineParser):
+    def error_line(self, message: str) -> str:
+        return f"{self.prog}: error: {message}; see '{self.prog} --help'"
 
 
 def _positive(text: str) -> int:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("docs/memory_model.md", "README.md")
 COMMAND = "$ zerodp plan "
 # Lines only `zerodp plan` prints: its header, the table's column names, the choice.
-LOOKS_LIKE_OUTPUT = re.compile(r"^(zerodp plan: |strategy +ckpt +params|Choice: |Nothing fits on )")
+LOOKS_LIKE_OUTPUT = re.compile(r"^(zerodp plan: |strategy +micro +accum +ckpt +params|Choice: |Nothing fits on )")
 
 
 @dataclass

@@ -89,7 +89,7 @@ def test_the_other_strategies_by_hand():
 def test_host_ram_too_small_for_deepspeed_staging(model, ckpt, ram, refused, chosen):
     m = preset(model)
     without = choose(m, cluster(), Workload(1, 4096), ckpt)
-    assert without.choice == refused[0]  # what it chose before the host was checked
+    assert all(e.fits for e in without.estimates if e.name in refused)  # before the host was checked
     plan = choose(m, cluster(cpu_ram_bytes=ram * GB), Workload(1, 4096), ckpt)
     assert plan.choice_name == chosen
     for name in refused:

@@ -100,11 +100,14 @@ def _dry_run(cfg, fresh: bool) -> int:
     from zerodp.train import device_memory, resolve_strategy
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    accum = cfg.check_batch_split(world)
     use_cuda = torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     resolved, plan = resolve_strategy(cfg, world, device, local)
+    if cfg.train.micro_batch_size == "auto" and os.environ.get("RANK", "0") == "0":
+        from zerodp.train import micro_batch_line  # printed before the checks that need the data
+        print(f"zerodp: {micro_batch_line(plan)}", flush=True)
+    accum = resolved.check_batch_split(world)
     check_config(resolved, world, accum)  # the strategy's own settings (strategy.deepspeed keys, offload)
     start = plan_start(resolved, fresh, set_aside_damaged=False)  # model vs checkpoint / init_from
     tokens = load_tokens(resolved)  # the data source exists and its tokens fit the vocabulary

@@ -124,8 +124,10 @@ class OptimConfig:
 class TrainConfig:
     global_batch_size: int = 16
     """Sequences per optimizer step, summed over all ranks and accumulation steps."""
-    micro_batch_size: int = 8
-    """Sequences per rank per forward/backward pass."""
+    micro_batch_size: typing.Union[int, str] = 8
+    """Sequences per rank per forward/backward pass, or 'auto': at launch the planner picks the divisor of
+    global_batch_size / world_size with the highest predicted tokens/s that fits the device, with
+    activation checkpointing on only if that is faster or needed (zerodp plan --global-batch)."""
     max_steps: int = 100
     """Optimizer steps to train for."""
     seed: int = 1337
@@ -284,8 +286,9 @@ class Config:
         _non_negative("optim.grad_clip", o.grad_clip, hint="0 disables clipping")
         _positive("optim.base_batch_size", o.base_batch_size)
         _positive("train.global_batch_size", t.global_batch_size)
-        _positive("train.micro_batch_size", t.micro_batch_size)
-        if t.global_batch_size % t.micro_batch_size:
+        if t.micro_batch_size != "auto":
+            _positive("train.micro_batch_size", t.micro_batch_size)
+        if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} is not a multiple of "
                 f"train.micro_batch_size={t.micro_batch_size}; make the global batch "
@@ -314,7 +317,9 @@ class Config:
         return self
 
     def check_batch_split(self, world_size: int) -> int:
-        """Return gradient accumulation steps for this world size, or explain why the split fails."""
+        """Return gradient accumulation steps for this world size, or explain why the split fails.
+        train.micro_batch_size=auto must be resolved first (zerodp.train.resolve_strategy)."""
+        assert self.train.micro_batch_size != "auto", "resolve train.micro_batch_size=auto before splitting"
         return batch_split(self.train.global_batch_size, self.train.micro_batch_size, world_size)
 
 
@@ -374,6 +379,13 @@ def _field_types(section_cls: type) -> dict[str, Any]:
 def _coerce(where: str, key: str, value: Any, typ: Any) -> Any:
     """Check `value` against the declared type `typ`; return it converted where lossless."""
     origin = typing.get_origin(typ)
+    if origin is typing.Union and set(typing.get_args(typ)) == {int, str}:  # a count, or 'auto'
+        if value == "auto":
+            return value
+        try:
+            return _coerce(where, key, value, int)
+        except ConfigError:
+            raise ConfigError(f"{key} in {where} must be an integer or auto, got {value!r}") from None
     if origin is typing.Union:  # Optional[X]
         if value is None:
             return None
@@ -628,6 +640,8 @@ def field_docs() -> list[FieldDoc]:
 
 
 def _type_name(typ: Any) -> str:
+    if typing.get_origin(typ) is typing.Union and set(typing.get_args(typ)) == {int, str}:
+        return "int or auto"
     if typing.get_origin(typ) is typing.Union:
         (inner,) = [a for a in typing.get_args(typ) if a is not type(None)]
         return f"{_type_name(inner)} or null"

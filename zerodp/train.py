@@ -46,27 +46,46 @@ def device_memory(device: torch.device, local_world_size: int = 1) -> tuple[int,
 
 
 def resolve_strategy(cfg: Config, world_size: int, device: torch.device, local_world_size: int = 1):
-    """The config to run: as given, or for strategy.name=auto with the planner's choice applied.
+    """The config to run: as given, or with the planner's choices applied: strategy.name=auto (the
+    strategy, offload and checkpointing) and train.micro_batch_size=auto (the micro batch and
+    checkpointing, for the strategy given or chosen).
 
-    Returns (config, plan); plan is None unless the planner chose. Pure: no collectives."""
+    Returns (config, plan); plan is None unless the planner chose something. Pure: no collectives."""
     if cfg.strategy.name == "single" and world_size > 1:
         raise UserError(f"strategy.name=single cannot run on {world_size} processes; use ddp (or launch one process)")
-    if cfg.strategy.name != "auto":
+    search = cfg.train.micro_batch_size == "auto"
+    if cfg.strategy.name != "auto" and not search:
         return cfg, None
     from zerodp.planner import plan_for_training
 
     memory, name = device_memory(device, local_world_size)
     per_node = local_world_size if world_size % local_world_size == 0 else None
-    plan = plan_for_training(cfg, world_size, memory, name, gpus_per_node=per_node)
+    plan = plan_for_training(cfg, world_size, memory, name, gpus_per_node=per_node,
+                             strategy=None if cfg.strategy.name == "auto" else cfg.strategy.name)
     if plan.choice is None:
-        raise UserError(f"strategy.name=auto: nothing fits in {memory / 1e9:.1f} GB per rank on {world_size} "
+        what = "strategy.name=auto" if cfg.strategy.name == "auto" else "train.micro_batch_size=auto"
+        raise UserError(f"{what}: nothing fits in {memory / 1e9:.1f} GB per rank on {world_size} "
                         f"rank(s). {plan.suggestion or 'Use more GPUs, a smaller micro batch or a smaller model.'}")
     cfg = copy.deepcopy(cfg)
     cfg.strategy.name = plan.choice
     cfg.strategy.offload_optimizer = plan.offload_optimizer
     cfg.strategy.offload_params = plan.offload_params
+    if plan.hybrid:  # only fsdp+hybrid: strategy: auto never picks the approximate zero3+zero++
+        cfg.strategy.hybrid_shard = True
     cfg.model.activation_checkpointing = plan.activation_checkpointing
+    if search:
+        cfg.train.micro_batch_size = plan.micro_batch
     return cfg, plan
+
+
+def micro_batch_line(plan) -> str:
+    """What train.micro_batch_size=auto chose, and why, in one line."""
+    row = plan.chosen
+    return (f"train.micro_batch_size=auto: micro batch {row.micro_batch} x {row.grad_accum_steps} accumulation "
+            f"on {plan.cluster.world_size} rank(s) (global batch {plan.global_batch}) under {row.name}, "
+            f"activation checkpointing {'on' if row.activation_checkpointing else 'off'}, predicted "
+            f"{row.tokens_per_s_per_gpu:,.0f} tokens/s per device: "
+            + next((r for r in plan.reasons if r.startswith("Micro batch")), "").rstrip("."))
 
 
 def agree(env: DistEnv, fn):
@@ -127,11 +146,12 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     the final full fp32 weights."""
     determinism.apply(cfg.train.deterministic)  # before CUDA computes anything: cuBLAS reads its workspace setting once
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
-    grad_accum = cfg.check_batch_split(env.world_size)
+    searched = cfg.train.micro_batch_size == "auto"
     # Rank 0 plans and every rank runs its choice (nodes could report different memory).
     planned = agree(env, lambda: resolve_strategy(cfg, env.world_size, env.device, env.local_world_size)
                     if env.rank == 0 else None)
     cfg, plan = broadcast_object(planned)
+    grad_accum = cfg.check_batch_split(env.world_size)
     name = cfg.strategy.name
     out_dir = Path(cfg.train.out_dir)
     if fresh and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
@@ -153,8 +173,11 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             _set_aside_checkpoints(env, out_dir)
         (out_dir / "config.yaml").write_text(dump_yaml(cfg))  # resolved: auto replaced by the choice
     dist.barrier()
-    if plan is not None:  # after the input checks: a bad input stays a one-line error
+    if plan is not None and not searched:  # after the input checks: a bad input stays a one-line error
         log(env, "strategy.name=auto, the planner's table:\n" + plan.table())
+    elif plan is not None:
+        log(env, "train.micro_batch_size=auto, the planner's table:\n" + plan.table())
+        log(env, micro_batch_line(plan))
 
     torch.manual_seed(cfg.train.seed)  # the same dropout streams as one process
     # Start-up: the model is built on the meta device (no memory); the strategy materialises only what

@@ -1,10 +1,11 @@
 """`choose(...) -> Plan`: which strategy to run, and why not the others.
 
-Preference, among the strategies that fit with MARGIN of memory to spare: no offload before
-offload (a CPU optimizer step is seconds), then no activation checkpointing before checkpointing
-when the user left it to the planner (+33% compute), then the order of least communication:
-ddp < zero1 < zero2 < fsdp < zero3 < offload variants. Step times are predicted for every row,
-so the table shows what each choice costs.
+The choice is the fastest predicted step among the rows that fit with MARGIN of memory to spare; within
+TIE of the fastest the simpler row wins, in the order ddp < zero1 < zero2 < fsdp < zero3 < fsdp+hybrid <
+zero3+zero++ (the last two on several nodes only). Offload rows (a CPU optimizer step is seconds) are
+chosen only when nothing else fits. With a global batch the micro batch (a divisor of the global batch
+per rank) and activation checkpointing are searched for every row, each row showing its highest
+predicted tokens/s, accumulation following from the global batch as in `zerodp train`.
 """
 
 from __future__ import annotations
@@ -13,23 +14,32 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from zerodp.errors import UserError
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.memory import MARGIN, Layout, MemoryEstimate, Workload, activation_bytes, estimate
 from zerodp.planner.models import ModelSpec
 from zerodp.planner.units import gb, seconds
 
-# (strategy, offload_optimizer, offload_params), in order of preference.
+# (strategy, offload_optimizer, offload_params, hybrid), in order of preference (simplest first).
 VARIANTS = (
-    ("ddp", False, False),
-    ("zero1", False, False),
-    ("zero2", False, False),
-    ("fsdp", False, False),   # before zero3: same memory (without accumulation), torch-native
-    ("zero3", False, False),
-    ("zero2", True, False),
-    ("zero3", True, False),
-    ("fsdp", True, True),
-    ("zero3", True, True),
+    ("ddp", False, False, False),
+    ("zero1", False, False, False),
+    ("zero2", False, False, False),
+    ("fsdp", False, False, False),   # before zero3: same memory (without accumulation), torch-native
+    ("zero3", False, False, False),
+    ("fsdp", False, False, True),    # several nodes only: shard within a node, replicate across (HSDP)
+    ("zero3", False, False, True),   # several nodes only: ZeRO++ (hpZ, int8 weights, int4 gradients)
+    ("zero2", True, False, False),
+    ("zero3", True, False, False),
+    ("fsdp", True, True, False),
+    ("zero3", True, True, False),
 )
+TIE = 0.03
+"""Rows predicted within this fraction of the fastest are ties, and the simpler one is chosen."""
+CLOSE = 0.005
+"""Micro batches within this fraction of a row's best tokens/s are ties; the largest is shown (the constant
+MFU does not capture that kernels run better on more tokens per micro batch)."""
+ORDER = "ddp < zero1 < zero2 < fsdp < zero3 < fsdp+hybrid < zero3+zero++"
 
 
 @dataclass
@@ -48,6 +58,14 @@ class Plan:
     requested_checkpointing: Optional[bool] = None
     suggestion: Optional[str] = None
     assumptions: list[str] = field(default_factory=list)
+    hybrid: bool = False
+    """The choice is fsdp+hybrid (strategy.hybrid_shard) or zero3+zero++."""
+    global_batch: Optional[int] = None
+    """Sequences per optimizer step when the micro batch was searched; None: the workload's micro batch."""
+    search: dict[str, list[MemoryEstimate]] = field(default_factory=dict)
+    """Per row name, every (micro batch, checkpointing) tried when searching."""
+    exact_only: bool = False
+    """Rows that change the numerics (zero3+zero++) were not eligible (strategy: auto)."""
 
     @property
     def chosen(self) -> Optional[MemoryEstimate]:
@@ -56,10 +74,16 @@ class Plan:
 
     @property
     def choice_name(self) -> Optional[str]:
-        """The chosen row's name, e.g. 'zero3+offload_optimizer'; 'single' stays 'single'."""
+        """The chosen row's name, e.g. 'zero3+offload_optimizer', 'fsdp+hybrid'; 'single' stays 'single'."""
         if self.choice is None:
             return None
-        return Layout(self.choice, self.cluster, self.workload, self.offload_optimizer, self.offload_params).name
+        return Layout(self.choice, self.cluster, self.workload, self.offload_optimizer, self.offload_params,
+                      hybrid=self.hybrid).name
+
+    @property
+    def micro_batch(self) -> Optional[int]:
+        """The chosen row's micro batch (searched or given), or None when nothing fits."""
+        return self.chosen.micro_batch if self.chosen else None
 
     def table(self) -> str:
         from zerodp.planner.report import render_table
@@ -70,21 +94,22 @@ class Plan:
         return plan_dict(self)
 
 
+def _offloads(r: MemoryEstimate) -> bool:
+    return r.offload_optimizer or r.offload_params
+
+
 def _layouts(cluster: Cluster, workload: Workload) -> list[Layout]:
     """The rows of the table, in order of preference; on one GPU 'ddp' is plain 'single'."""
     out = []
-    for strategy, oo, op in VARIANTS:
+    for strategy, oo, op, hybrid in VARIANTS:
         if oo and not cluster.gpu.cuda:
             continue  # a CPU device has no faster memory to offload to
+        if hybrid and cluster.nodes == 1:
+            continue  # within one node there is nothing slower to avoid
         if strategy == "ddp" and cluster.world_size == 1:
             strategy = "single"
-        out.append(Layout(strategy, cluster, workload, oo, op))
+        out.append(Layout(strategy, cluster, workload, oo, op, hybrid=hybrid))
     return out
-
-
-def _rank(r: MemoryEstimate, requested: Optional[bool]) -> tuple[bool, bool]:
-    """Sort key before the preference order: offloading last, then planner-chosen checkpointing."""
-    return (r.offload_optimizer or r.offload_params, r.activation_checkpointing and requested is None)
 
 
 def _row(model: ModelSpec, base: Layout, requested: Optional[bool]) -> MemoryEstimate:
@@ -97,13 +122,80 @@ def _row(model: ModelSpec, base: Layout, requested: Optional[bool]) -> MemoryEst
     return estimate(model, dataclasses.replace(base, activation_checkpointing=True))
 
 
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _search(model: ModelSpec, base: Layout, requested: Optional[bool],
+            global_batch: int) -> tuple[MemoryEstimate, list[MemoryEstimate]]:
+    """Every micro batch that divides the global batch per rank, with checkpointing off and on (or as
+    requested): (the one with the highest predicted tokens/s that fits, everything tried). When none
+    fits, the smallest: micro batch 1, checkpointing on unless it was requested off."""
+    per_rank = global_batch // base.cluster.world_size
+    tried = []
+    for b in divisors(per_rank):
+        w = dataclasses.replace(base.workload, micro_batch=b, grad_accum_steps=per_rank // b)
+        for ac in ((False, True) if requested is None else (requested,)):
+            tried.append(estimate(model, dataclasses.replace(base, workload=w, activation_checkpointing=ac)))
+    fitting = [e for e in tried if e.fits]
+    if not fitting:
+        smallest = requested is not False
+        return next(e for e in tried if e.micro_batch == 1 and e.activation_checkpointing == smallest), tried
+    return _best(fitting), tried
+
+
+def _best(fitting: list[MemoryEstimate]) -> MemoryEstimate:
+    """The highest predicted tokens/s; within CLOSE of it, checkpointing off and the largest micro batch."""
+    best = max(e.tokens_per_s_per_gpu for e in fitting)
+    close = [e for e in fitting if e.tokens_per_s_per_gpu >= best * (1 - CLOSE)]
+    return max(close, key=lambda e: (not e.activation_checkpointing, e.micro_batch))
+
+
+def pick(rows: list[MemoryEstimate], exact_only: bool = False) -> Optional[MemoryEstimate]:
+    """The fastest row that fits (offload rows only when nothing else does; with `exact_only` none that
+    changes the numerics), the simplest (first in `rows`) within TIE of it."""
+    fitting = [r for r in rows if r.fits and (r.exact or not exact_only)]
+    pool = [r for r in fitting if not _offloads(r)] or fitting
+    if not pool:
+        return None
+    fastest = max(r.tokens_per_s_per_gpu for r in pool)
+    return next(r for r in pool if r.tokens_per_s_per_gpu * (1 + TIE) >= fastest)
+
+
+def check_global_batch(global_batch: int, world_size: int, flag: str = "--global-batch") -> None:
+    """A global batch every rank can take an equal whole number of sequences of; else a UserError naming
+    `flag` (the option or config key that set it)."""
+    given = f"{flag}={global_batch}" if flag.startswith("train.") else f"{flag} {global_batch}"
+    if global_batch < 1:
+        raise UserError(f"{given} must be at least 1 sequence, e.g. {flag} 512")
+    if global_batch % world_size:
+        near = (global_batch // world_size + 1) * world_size
+        ok = [n for n in divisors(global_batch) if n <= 1024][-4:]
+        raise UserError(f"{given} does not split over {world_size} GPUs: no micro batch divides "
+                        f"{global_batch / world_size:g} sequences per GPU; use a multiple of {world_size} such "
+                        f"as {near}, or a GPU count that divides it ({', '.join(map(str, ok))})")
+
+
 def choose(model: ModelSpec, cluster: Cluster, workload: Workload,
-           activation_checkpointing: Optional[bool] = None) -> Plan:
+           activation_checkpointing: Optional[bool] = None, *, global_batch: Optional[int] = None,
+           exact_only: bool = False, layouts: Optional[list[Layout]] = None) -> Plan:
     """Estimate every strategy for `model` on `cluster` and pick one. `activation_checkpointing`
-    None lets the planner turn it on where that is what makes a strategy fit."""
-    rows = [_row(model, layout, activation_checkpointing) for layout in _layouts(cluster, workload)]
-    ranked = sorted((_rank(r, activation_checkpointing), i) for i, r in enumerate(rows) if r.fits)
-    chosen = rows[ranked[0][1]] if ranked else None
+    None lets the planner turn it on where that is what makes a strategy fit (or, with `global_batch`,
+    where it is faster: a larger micro batch). `global_batch` (sequences per optimizer step) searches
+    the micro batch for each row instead of taking the workload's; `exact_only` leaves out rows whose
+    quantised collectives change the numerics (what `strategy: auto` may run). `layouts` replaces the
+    rows (a training config's own strategy, to search its micro batch)."""
+    rows, search = [], {}
+    if global_batch is not None:
+        check_global_batch(global_batch, cluster.world_size)
+    for layout in layouts or _layouts(cluster, workload):
+        if global_batch is None:
+            rows.append(_row(model, layout, activation_checkpointing))
+        else:
+            best, tried = _search(model, layout, activation_checkpointing, global_batch)
+            rows.append(best)
+            search[best.name] = tried
+    chosen = pick(rows, exact_only)
     plan = Plan(
         choice=chosen.strategy if chosen else None,
         offload_optimizer=bool(chosen and chosen.offload_optimizer),
@@ -111,10 +203,14 @@ def choose(model: ModelSpec, cluster: Cluster, workload: Workload,
         activation_checkpointing=bool(chosen.activation_checkpointing if chosen else activation_checkpointing),
         estimates=rows, reasons=[], model=model, cluster=cluster, workload=workload,
         requested_checkpointing=activation_checkpointing,
+        hybrid=bool(chosen and chosen.name in ("fsdp+hybrid", "zero3+zero++")),
+        global_batch=global_batch, search=search, exact_only=exact_only,
     )
     plan.reasons = _reasons(plan, chosen)
     if chosen is None:
-        plan.suggestion = _suggest(model, cluster, workload, activation_checkpointing)
+        small = workload if global_batch is None else dataclasses.replace(
+            workload, micro_batch=1, grad_accum_steps=global_batch // cluster.world_size)
+        plan.suggestion = _suggest(model, cluster, small, activation_checkpointing)
         plan.reasons.append(plan.suggestion)
     return plan
 
@@ -124,20 +220,31 @@ def _where(c: Cluster) -> str:
     return f"{nodes} x {gb(c.gpu.hbm_bytes)} {c.gpu.name}"
 
 
+def _per_s(r: MemoryEstimate) -> str:
+    return f"{r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+
+
 def _reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
-    """One sentence for the choice, one on checkpointing, one per rejected row."""
+    """One sentence for the choice, one on the micro batch or checkpointing, one per other row."""
     out = []
     if chosen:
         ckpt = "on" if chosen.activation_checkpointing else "off"
-        out.append(f"Choice: {chosen.name} with activation checkpointing {ckpt}: {gb(chosen.total_bytes)} of "
-                   f"{gb(chosen.hbm_bytes)} per GPU, predicted {seconds(chosen.step_s)} per step at "
-                   f"{chosen.scaling_efficiency:.0%} scaling efficiency.")
+        micro = (f", micro batch {chosen.micro_batch} x {chosen.grad_accum_steps} accumulation"
+                 if plan.global_batch else "")
+        why = ("the only rows that fit offload, and this is the fastest of them" if _offloads(chosen)
+               else "the fastest predicted step that fits" + (f" (simplest within {TIE:.0%})"
+                                                              if _ties(plan, chosen) else ""))
+        out.append(f"Choice: {chosen.name} with activation checkpointing {ckpt}{micro}: {gb(chosen.total_bytes)} "
+                   f"of {gb(chosen.hbm_bytes)} per GPU, predicted {seconds(chosen.step_s)} per step "
+                   f"({_per_s(chosen)}) at {chosen.scaling_efficiency:.0%} scaling efficiency: {why}.")
         if chosen.offloaded_bytes:
             checked = "" if plan.cluster.cpu_ram_bytes else " (not checked: pass --cpu-ram)"
             out.append(f"Offloading keeps {gb(chosen.cpu_bytes_per_node)} per node in CPU RAM{checked}; "
                        + _suggest(plan.model, plan.cluster, plan.workload, plan.requested_checkpointing,
                                   without_offload=True))
-        if plan.requested_checkpointing is None:
+        if plan.global_batch:
+            out.append(_micro_sentence(plan, chosen))
+        elif plan.requested_checkpointing is None:
             if chosen.activation_checkpointing:
                 without = activation_bytes(plan.model, plan.workload, False)
                 out.append(f"Activation checkpointing turned on: without it activations need {gb(without)} per GPU "
@@ -148,8 +255,48 @@ def _reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
         out.append(f"Nothing fits on {_where(plan.cluster)} ({MARGIN:.0%} of memory kept free).")
     for r in plan.estimates:
         if chosen is None or r.name != chosen.name:
-            out.append(f"{r.name}: {_why_not(r, chosen, plan.cluster)}")
+            out.append(f"{r.name}: {_why_not(r, chosen, plan)}")
     return out
+
+
+def _ties(plan: Plan, chosen: MemoryEstimate) -> bool:
+    """Whether a row after the choice is predicted faster (within TIE)."""
+    return any(r.fits and not _offloads(r) and r.tokens_per_s_per_gpu > chosen.tokens_per_s_per_gpu
+               and (r.exact or not plan.exact_only) for r in plan.estimates)
+
+
+def _micro_sentence(plan: Plan, chosen: MemoryEstimate) -> str:
+    """Why this micro batch and checkpointing setting, from the search of the chosen row."""
+    tried = plan.search.get(chosen.name, [])
+    fit = sorted({e.micro_batch for e in tried if e.fits and e.activation_checkpointing == chosen.activation_checkpointing})
+    listed = ", ".join(map(str, fit)) if len(fit) <= 6 else f"{len(fit)} of them, {fit[0]} to {fit[-1]}"
+    head = (f"Micro batch {chosen.micro_batch} of the divisors of {plan.global_batch // plan.cluster.world_size} "
+            f"sequences per GPU (global batch {plan.global_batch}): ")
+    same = [e for e in tried if e.fits and e.activation_checkpointing == chosen.activation_checkpointing]
+    if len(fit) > 1 and max(e.tokens_per_s_per_gpu for e in same) < chosen.tokens_per_s_per_gpu * (1 + CLOSE) \
+            and min(e.tokens_per_s_per_gpu for e in same) * (1 + CLOSE) >= chosen.tokens_per_s_per_gpu:
+        head += f"those that fit ({listed}) predict the same tokens/s, and the largest is taken"
+    else:
+        head += f"the highest predicted tokens/s among those that fit ({listed})"
+    other = [e for e in tried if e.fits and e.activation_checkpointing != chosen.activation_checkpointing]
+    if chosen.activation_checkpointing:
+        if other:
+            alt = _best(other)
+            tail = (f"; checkpointing on: without it micro batch {alt.micro_batch} at most fits, "
+                    f"{_per_s(alt)}")
+        elif plan.requested_checkpointing is None:
+            tail = "; checkpointing on: without it no micro batch fits"
+        else:
+            tail = "; checkpointing on, as requested"
+    elif other and _best(other).micro_batch > chosen.micro_batch:
+        alt = _best(other)
+        tail = (f"; checkpointing off: with it micro batch {alt.micro_batch} would fit, {_per_s(alt)} "
+                f"(recomputing the forward costs ~33%)")
+    elif other:
+        tail = "; checkpointing off: every micro batch fits without it, and recomputing the forward costs ~33%"
+    else:
+        tail = "; checkpointing off" + (", as requested" if plan.requested_checkpointing is False else "")
+    return head + tail + "."
 
 
 def _startup_device(r: MemoryEstimate) -> str:
@@ -177,7 +324,22 @@ def _startup_host(r: MemoryEstimate, cluster: Cluster) -> str:
     return ", ".join(parts)
 
 
-def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], cluster: Cluster) -> str:
+def _slower_because(r: MemoryEstimate, chosen: MemoryEstimate) -> str:
+    """The term of the step-time model that makes `r` slower than the choice."""
+    causes = []
+    if r.compute_s > chosen.compute_s * 1.001:
+        causes.append("recomputing the forward for activation checkpointing (+33% compute)"
+                      if r.activation_checkpointing and not chosen.activation_checkpointing
+                      else f"{seconds(r.compute_s)} of compute vs {seconds(chosen.compute_s)}")
+    if r.exposed_comm_s > chosen.exposed_comm_s:
+        inter = f", {gb(r.inter_node_bytes)} across nodes per node" if r.inter_node_bytes else ""
+        causes.append(f"{seconds(r.exposed_comm_s)} of communication not hidden behind compute "
+                      f"vs {seconds(chosen.exposed_comm_s)} (it sends {gb(r.comm_bytes)} per GPU{inter})")
+    return "; ".join(causes) or "its predicted step is longer"
+
+
+def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], plan: Plan) -> str:
+    cluster = plan.cluster
     if r.cpu_fits is False:
         return (f"needs {gb(r.cpu_bytes_per_node)} of CPU RAM per node for offloaded states, "
                 f"more than --cpu-ram allows.")
@@ -185,7 +347,8 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], cluster: Clust
         big = max((r.model_states_bytes, "model states"), (r.activations_bytes, "activations"),
                   (r.gathered_bytes, "gathered layers"),
                   (r.unsharded_grads_bytes, "unsharded gradients kept while accumulating"))
-        return (f"does not fit: needs {gb(r.total_bytes)} per GPU ({big[1]} {gb(big[0])}), "
+        smallest = " even at micro batch 1" if plan.global_batch else ""
+        return (f"does not fit{smallest}: needs {gb(r.total_bytes)} per GPU ({big[1]} {gb(big[0])}), "
                 f"over the {gb(r.usable_bytes)} usable.")
     if r.startup_bytes > r.usable_bytes:
         return (f"does not fit at start-up: start-up peak {gb(r.startup_bytes)} per GPU "
@@ -194,21 +357,25 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], cluster: Clust
     if r.startup_host_fits is False:
         return (f"does not fit at start-up in host RAM: start-up peak {gb(r.startup_host_bytes_per_node)} of "
                 f"host RAM per node ({_startup_host(r, cluster)}) > {gb(cluster.cpu_ram_bytes)} per node.")
-    fits = f"fits ({gb(r.total_bytes)})"
-    slower = f"{seconds(r.step_s)} per step vs {seconds(chosen.step_s)}"
-    if (r.offload_optimizer or r.offload_params) and not (chosen.offload_optimizer or chosen.offload_params):
-        return f"{fits}, but the CPU optimizer step and PCIe copies of offloading make it slow: {slower}."
-    if r.activation_checkpointing and not chosen.activation_checkpointing:
-        return f"{fits} only with activation checkpointing, which recomputes the forward (+33% compute): {slower}."
-    if r.comm_bytes > chosen.comm_bytes:
-        speed = (f"predicted {seconds(r.step_s)} per step vs {seconds(chosen.step_s)} if its extra traffic hides "
-                 f"fully behind compute" if r.step_s <= chosen.step_s else slower)
-        return (f"{fits}, but {chosen.name} comes first: it sends {gb(chosen.comm_bytes)} per GPU per step "
-                f"instead of {gb(r.comm_bytes)} ({speed}).")
-    if r.strategy != chosen.strategy and r.comm_bytes == chosen.comm_bytes:
-        return (f"{fits}, but {chosen.name} comes first: same communication, fewer states sharded "
-                f"or offloaded, and its memory suffices.")
-    return f"{fits}, but {chosen.name} comes first in the order: it shards or offloads less."
+    fits = f"fits ({gb(r.total_bytes)}" + (f", micro batch {r.micro_batch}" if plan.global_batch else "") + ")"
+    if not r.exact and plan.exact_only:
+        return (f"{fits}, predicted {seconds(r.step_s)} per step, but its int8 weight all-gather and int4 "
+                "gradient reduction change the numerics, so strategy: auto does not choose it; set "
+                "strategy.name=zero3 with strategy.hpz_partition_size, quantized_weights and "
+                "quantized_gradients to run it.")
+    if chosen is None:
+        return f"{fits}."
+    speed = f"predicted {seconds(r.step_s)} per step vs {seconds(chosen.step_s)} for {chosen.name}"
+    if _offloads(r) and not _offloads(chosen):
+        return (f"{fits}, but offloading (a CPU optimizer step, PCIe copies) is kept for when nothing else "
+                f"fits: {speed}.")
+    ratio = chosen.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu
+    if ratio > 1 + TIE:
+        return f"{fits}, but slower: {speed} ({ratio - 1:.0%} slower: {_slower_because(r, chosen)})."
+    if ratio < 1:
+        return (f"{fits}, {speed}: {1 / ratio - 1:.1%} faster, within {TIE:.0%}, so the simpler {chosen.name} "
+                f"is kept ({ORDER}).")
+    return f"{fits}, {speed}: within {TIE:.0%}, and {chosen.name} is simpler ({ORDER})."
 
 
 def _sharded(workload: Workload) -> str:

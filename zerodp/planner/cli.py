@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   zerodp plan --config configs/gpt2-124m.yaml --gpus 8 --nodes 2 --gpu a100 train.micro_batch_size=6
   zerodp plan --hf-config path/to/model_folder --gpus 4 --gpu h100 --micro-batch 2 --seq-len 4096 --json
   zerodp plan --params 13e9 --layers 40 --hidden 5120 --gpus 8 --cpu-ram 1TB
+  zerodp plan --model llama3-70b --gpus 8 --nodes 4 --interconnect ethernet --global-batch 512 --seq-len 4096
 """
 
 
@@ -52,12 +53,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     h.add_argument("--hbm", metavar="SIZE", help="memory per GPU, e.g. 80GB (80e9 bytes) or 80GiB; overrides --gpu's")
     h.add_argument("--cpu-ram", metavar="SIZE",
                    help="CPU memory per node, for offloaded states and the start-up peak, e.g. 512GB")
-    h.add_argument("--interconnect", metavar="LINK", help=f"slowest link of the ring: {', '.join(INTERCONNECTS)} "
-                   "(default nvlink on one node, infiniband across nodes)")
+    h.add_argument("--interconnect", metavar="LINK", help="the slowest link: on one node between its GPUs (nvlink, pcie), across nodes "
+                   "between the nodes, all NICs of a node together (infiniband, infiniband-rail, ethernet); "
+                   "default nvlink on one node, infiniband across nodes")
     h.add_argument("--mfu", type=float, default=MFU, help=f"model FLOPs utilisation assumed (default {MFU})")
     w = p.add_argument_group("step")
     w.add_argument("--micro-batch", type=int, help="sequences per GPU per forward (default 1; with --config the "
                    "same as the override train.micro_batch_size=N, the accumulation following from the global batch)")
+    w.add_argument("--global-batch", type=int, metavar="G",
+                   help="sequences per optimizer step: search the micro batch (the divisors of G / GPUs) and "
+                        "activation checkpointing for every strategy, accumulation following from G (with "
+                        "--config the override train.global_batch_size=G; train.micro_batch_size=auto searches too)")
     w.add_argument("--seq-len", type=int, help="tokens per sequence (default min(context, 4096), or block_size)")
     w.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default 1; with --config "
                    "train.global_batch_size / (micro batch x GPUs), as zerodp train splits it, which this must equal)")
@@ -90,6 +96,9 @@ def _model(args):
         from zerodp.config import load_config  # imports yaml only
         # --micro-batch is an override, so the batch is split and validated exactly as `zerodp train` would
         micro = [f"train.micro_batch_size={args.micro_batch}"] if args.micro_batch is not None else []
+        micro += [f"train.global_batch_size={args.global_batch}"] if args.global_batch is not None else []
+        if args.global_batch is not None and args.micro_batch is None:
+            micro.append("train.micro_batch_size=auto")  # --global-batch alone searches the micro batch
         cfg = load_config(args.config, list(args.overrides) + micro)
         return spec_from_model_config(cfg.model, name=args.config), cfg
     if args.hf_config is not None:
@@ -116,6 +125,7 @@ def build(args):
     for flag, v, what, ex in (
         ("--gpus", args.gpus, "GPUs per node", 8), ("--nodes", args.nodes, "the number of nodes", 2),
         ("--micro-batch", args.micro_batch, "sequences per micro batch", 1),
+        ("--global-batch", args.global_batch, "sequences per optimizer step", 512),
         ("--seq-len", args.seq_len, "the sequence length", 2048),
         ("--grad-accum", args.grad_accum, "micro batches per step", 1),
     ):
@@ -137,9 +147,17 @@ def build(args):
     cluster = Cluster(gpu=gpu, gpus_per_node=args.gpus, nodes=args.nodes, interconnect=args.interconnect,
                       cpu_ram_bytes=cpu_ram, mfu=args.mfu)
 
+    global_batch = args.global_batch
     if cfg is not None:
         from zerodp.planner.training import workload_from_config
-        _check_grad_accum(args, cfg, cluster.world_size)
+        if cfg.train.micro_batch_size == "auto":
+            if args.grad_accum is not None:
+                raise UserError("--grad-accum follows from the micro batch the planner searches "
+                                "(train.micro_batch_size=auto); leave it out, or give --micro-batch")
+            global_batch = cfg.train.global_batch_size
+        else:
+            _check_grad_accum(args, cfg, cluster.world_size)
+            global_batch = None
         base = workload_from_config(cfg, cluster.world_size)  # train's split: ConfigError if it does not divide
         if args.seq_len and args.seq_len > cfg.model.block_size:
             raise UserError(f"--seq-len {args.seq_len} exceeds model.block_size={cfg.model.block_size}; "
@@ -150,14 +168,28 @@ def build(args):
         ckpt = None
     if args.seq_len and args.seq_len > model.context and cfg is None:
         notes.append(f"--seq-len {args.seq_len} is longer than the model's context {model.context}")
-    workload = Workload(args.micro_batch or base.micro_batch, args.seq_len or base.seq_len,
-                        args.precision or base.precision, args.grad_accum or base.grad_accum_steps, base.bucket_mb)
+    micro, accum = args.micro_batch or base.micro_batch, args.grad_accum or base.grad_accum_steps
+    if cfg is None and global_batch is not None:
+        if args.grad_accum is not None:
+            raise UserError("--grad-accum follows from --global-batch (G / (micro batch x GPUs)); leave it out")
+        from zerodp.planner.choose import check_global_batch
+        check_global_batch(global_batch, cluster.world_size)
+        if args.micro_batch is not None:  # a given micro batch: only the accumulation follows
+            per_rank = global_batch // cluster.world_size
+            if per_rank % args.micro_batch:
+                raise UserError(f"--micro-batch {args.micro_batch} does not divide {per_rank} sequences per GPU "
+                                f"(--global-batch {global_batch} over {cluster.world_size} GPUs); leave "
+                                f"--micro-batch out to search it, or use a divisor of {per_rank}")
+            micro, accum, global_batch = args.micro_batch, per_rank // args.micro_batch, None
+    workload = Workload(micro, args.seq_len or base.seq_len, args.precision or base.precision, accum, base.bucket_mb,
+                        base.fsdp_defer_grad_reduce, base.fsdp_reshard_after_forward, base.zero3_persistence_threshold,
+                        base.zero3_keep_window)
     if args.activation_checkpointing:
         ckpt = args.activation_checkpointing == "on"
     if model.shape_assumed:
         notes.append(f"layer shape guessed from the parameter count ({model.n_layer} layers, hidden {model.hidden}); "
                      "pass --layers and --hidden for exact activations")
-    plan = choose(model, cluster, workload, ckpt)
+    plan = choose(model, cluster, workload, ckpt, global_batch=global_batch)
     plan.assumptions.extend(notes)
     return plan
 

@@ -40,15 +40,25 @@ GPUS = {
     "mi300x": GpuSpec("mi300x", 192 * 10**9, 1307e12, 163e12),
 }
 
-# Effective ring bandwidth per GPU in bytes/s (what NCCL's bus-bandwidth test reaches, not the
-# datasheet peak). A ring is as fast as its slowest hop, so one figure per link suffices.
-INTERCONNECTS = {
-    "nvlink": 300e9,       # NVLink 3/4 inside a node (A100 ~230, H100 ~360-450 GB/s measured)
-    "infiniband": 45e9,    # 400 Gb/s NDR, one NIC per GPU (rail-optimised)
+# Bus bandwidth a collective reaches (what NCCL's nccl-tests report as busbw for large messages, not
+# the datasheet peak), bytes/s. Links inside a node are per GPU; links between nodes are per node (all
+# its NICs together): in a ring over several nodes every GPU sends its share to a neighbour, and one
+# share per ring crosses each node boundary, so a node's NICs carry what one GPU sends.
+# Sources and caveats: docs/memory_model.md, "Bandwidths".
+INTRA_NODE = {
+    "nvlink": 300e9,       # NVLink 3/4 + NVSwitch: nccl-tests 8xA100 230-250 GB/s, 8xH100 up to 460-480
     "pcie": 20e9,          # Gen4 x16 through the host, no NVLink
-    "ethernet": 10e9,      # 100 GbE per node
     "shm": 10e9,           # CPU processes on one machine (gloo over shared memory / loopback)
 }
+INTER_NODE = {
+    "infiniband": 45e9,        # one 400 Gb/s NDR NIC's worth per node (the conservative default)
+    "infiniband-rail": 400e9,  # 8 x 400 Gb/s NDR, one NIC per GPU (rail-optimised H100/H200 nodes):
+                               # multi-node nccl-tests all_reduce busbw 400-450 GB/s
+    "ethernet": 10e9,          # 100 GbE per node
+}
+INTERCONNECTS = {**INTRA_NODE, **INTER_NODE}
+"""Every link `--interconnect` accepts: on one node it is the link between the GPUs, across nodes the
+link between the nodes (the GPUs of a node then talk over nvlink, or shm for CPU processes)."""
 
 MFU = 0.40
 """Model FLOPs utilisation assumed for the compute time (torchtitan reports 33-39% on H100)."""
@@ -83,8 +93,9 @@ class Cluster:
     gpus_per_node: int = 1
     nodes: int = 1
     interconnect: Optional[str] = None
-    """Slowest link a gradient ring crosses; None: nvlink on one node, infiniband across nodes
-    (shm for CPU processes)."""
+    """The slowest link: on one node between its GPUs (nvlink, pcie), across nodes between the nodes
+    (infiniband, infiniband-rail, ethernet). None: nvlink on one node, infiniband across nodes (shm for
+    CPU processes)."""
     cpu_ram_bytes: Optional[int] = None
     """CPU memory per node available for offloaded states; None: not checked."""
     mfu: float = MFU
@@ -95,6 +106,7 @@ class Cluster:
 
     @property
     def link(self) -> str:
+        """The slowest link a collective over every rank crosses."""
         if self.interconnect:
             return self.interconnect
         if not self.gpu.cuda:
@@ -102,7 +114,18 @@ class Cluster:
         return "nvlink" if self.nodes == 1 else "infiniband"
 
     @property
+    def intra_bandwidth(self) -> float:
+        """Bytes/s each GPU sends to a GPU of its own node."""
+        if self.nodes == 1:
+            return INTERCONNECTS[self.link]
+        return INTRA_NODE["nvlink" if self.gpu.cuda else "shm"]
+
+    @property
+    def inter_bandwidth(self) -> float:
+        """Bytes/s one node sends to the others, all its NICs together (inf on one node)."""
+        return INTERCONNECTS[self.link] if self.nodes > 1 else float("inf")
+
+    @property
     def ring_bandwidth(self) -> float:
-        """Bytes/s each GPU sends in a ring collective: the slowest hop's bandwidth."""
-        bw = INTERCONNECTS[self.link]
-        return min(bw, INTERCONNECTS["nvlink"]) if self.nodes > 1 else bw
+        """Bytes/s each GPU sends in a ring collective over every rank: the slowest hop's bandwidth."""
+        return min(self.intra_bandwidth, self.inter_bandwidth)

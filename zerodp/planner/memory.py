@@ -6,6 +6,7 @@ no GPU, no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Optional
@@ -63,10 +64,17 @@ class Layout:
     offload_optimizer: bool = False
     offload_params: bool = False
     activation_checkpointing: bool = False
+    hybrid: bool = False
+    """Across nodes: fsdp shards within a node and replicates across nodes (HSDP, strategy.hybrid_shard);
+    zero3 runs with ZeRO++ (hpZ secondary partition within the node, int8 weight all-gather, int4
+    gradient reduction: strategy.hpz_partition_size, quantized_weights, quantized_gradients)."""
 
     @property
     def name(self) -> str:
-        """The row name: 'zero2', 'zero3+offload_optimizer+offload_params', 'fsdp+offload'."""
+        """The row name: 'zero2', 'zero3+offload_optimizer+offload_params', 'fsdp+offload', 'fsdp+hybrid',
+        'zero3+zero++'."""
+        if self.hybrid:
+            return "fsdp+hybrid" if self.strategy == "fsdp" else "zero3+zero++"
         if self.strategy == "fsdp" and (self.offload_optimizer or self.offload_params):
             return "fsdp+offload"  # FSDP's CPUOffloadPolicy moves parameters, gradients and optimizer
         parts = [self.strategy]
@@ -96,6 +104,9 @@ class MemoryEstimate:
     unsharded_grads_bytes: int
     """FSDP with grad_accum_steps > 1: the full (unsharded) fp32 gradients it accumulates between micro
     batches, reduce-scattering only on the last (4P); 0 otherwise."""
+    secondary_bytes: int
+    """zero3+zero++: hpZ's secondary partition, this rank's 1/(GPUs per node) of the 16-bit parameters
+    kept after the forward all-gather so that backward gathers within the node; 0 otherwise."""
     gathered_bytes: int
     """ZeRO-3/FSDP: full parameters (and gradients) of the units being computed."""
     bucket_bytes: int
@@ -123,6 +134,14 @@ class MemoryEstimate:
     host peak) within cpu_ram_bytes where that is known."""
     comm_bytes: int
     """Bytes each GPU sends per optimizer step (ring collectives)."""
+    inter_node_bytes: int
+    """Bytes each node sends to the other nodes per optimizer step (0 on one node): what the slow link
+    carries."""
+    micro_batch: int
+    grad_accum_steps: int
+    exact: bool
+    """The row computes the same gradients as one process (every row but zero3+zero++, whose int8
+    weights and int4 gradients are approximations)."""
     compute_s: float
     comm_s: float
     exposed_comm_s: float
@@ -206,37 +225,104 @@ def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool) -> int:
     return int(layers + logits)
 
 
-def comm_bytes(model: ModelSpec, layout: Layout) -> tuple[int, int]:
-    """(overlappable, exposed) bytes each GPU sends per optimizer step, as the engines send them
-    (measured by zerodp.comm; docs/memory_model.md, "Communication per step"). A ring all-reduce sends
-    2(N-1)/N of the data, a reduce-scatter or all-gather (N-1)/N. Sizes include each engine's padding;
-    the few scalar all-reduces of a step (gradient norm, overflow check) are left out."""
-    n, w = layout.cluster.world_size, layout.workload
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective a step issues, as `comm_bytes` and the step time count it."""
+
+    what: str
+    group: str
+    """'all' (every rank), 'node' (the ranks of one node) or 'replicas' (one rank per node, each node's
+    GPUs in parallel groups)."""
+    sent: float
+    """Bytes each GPU sends in it per optimizer step (ring: an all-reduce 2(n-1)/n of its data, an
+    all-gather, reduce-scatter or all-to-all (n-1)/n, n the group's size)."""
+    overlappable: bool
+    """Issued while compute runs (prefetch, bucketed reduction); False: the step waits for it."""
+
+
+def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
+    """What each GPU sends per optimizer step, as the engines send it (measured by zerodp.comm;
+    docs/memory_model.md, "Communication per step"). Sizes include each engine's padding; the few scalar
+    all-reduces of a step (gradient norm, overflow check) are left out."""
+    c, w = layout.cluster, layout.workload
+    n, g = c.world_size, c.gpus_per_node
     if n == 1:
-        return 0, 0
-    ring, c, P = (n - 1) / n, COMPUTE_BYTES[w.precision], model.params
-    acc, s = w.grad_accum_steps, layout.strategy
+        return []
+    ring = lambda size: (size - 1) / size  # noqa: E731
+    cb, P, acc, s = COMPUTE_BYTES[w.precision], model.params, w.grad_accum_steps, layout.strategy
     if s == "ddp":  # all-reduce once per step (no_sync while accumulating) during backward; zerodp's DDP
-        return int(2 * ring * 4 * P), 0  # keeps fp32 gradients (autocast over fp32 parameters)
+        # keeps fp32 gradients (autocast over fp32 parameters)
+        return [Collective("all-reduce fp32 gradients", "all", 2 * ring(n) * 4 * P, True)]
     if s in ("zero1", "zero2"):  # DeepSpeed all-reduces the gradients (use_multi_rank_bucket_allreduce),
         # each rank keeping its partition: at the boundary (zero1) or every micro batch (zero2, whose
         # gradients are partitioned); after the step it all-gathers the updated 16-bit flat groups.
         reduces = acc if s == "zero2" else 1
-        return int(2 * ring * c * P * reduces), int(ring * c * _deepspeed_flat_elements(model, n))
+        return [Collective("all-reduce gradients", "all", 2 * ring(n) * cb * P * reduces, True),
+                Collective("all-gather updated parameters", "all",
+                           ring(n) * cb * _deepspeed_flat_elements(model, n), False)]
     if s == "zero3":  # every micro batch: reduce-scatter everything, all-gather the parameters above the
         # persistence threshold in forward, and in backward again those released in between (reuse
         # distance); the persistent ones are gathered once per step, after the optimizer step
         persistent, gathered, regathered = _zero3_elements(model, n, w.zero3_persistence_threshold,
                                                            w.zero3_keep_window)
-        return (int(ring * c * acc * (persistent + 2 * gathered + regathered)),
-                int(ring * c * persistent))
+        after_step = Collective("all-gather persistent parameters", "all", ring(n) * cb * persistent, False)
+        if not layout.hybrid:
+            return [Collective("all-gather parameters (forward, backward)", "all",
+                               ring(n) * cb * acc * (gathered + regathered), True),
+                    Collective("reduce-scatter gradients", "all", ring(n) * cb * acc * (persistent + gathered),
+                               True), after_step]
+        # ZeRO++: the forward all-gather in int8 (qwZ; one fp32 scale per 2048 elements), the backward
+        # one from the secondary partition within the node (hpZ), gradients quantised to int4 and
+        # reduced by an all-to-all within the node and then one across the nodes on 1/g of them (qgZ)
+        int8 = 1 + 4 / 2048
+        return [Collective("all-gather int8 parameters (forward)", "all",
+                           ring(n) * int8 * acc * gathered, True),
+                Collective("all-gather parameters within the node (backward, hpZ)", "node",
+                           ring(g) * cb * acc * regathered, True),
+                Collective("all-to-all int4 gradients within the node", "node",
+                           ring(g) * 0.5 * acc * (persistent + gathered), True),
+                Collective("all-to-all int4 gradients across nodes", "replicas",
+                           ring(c.nodes) * 0.5 * acc * (persistent + gathered) / g, True), after_step]
     # fsdp: every micro batch all-gathers each unit in forward (compute dtype) and, where resharded after
     # forward (the blocks; the root unit stays gathered), again in backward; reduce-scatters fp32 gradients
-    # every micro batch (once per step with fsdp_defer_grad_reduce)
-    every, blocks = _fsdp_elements(model, n)
+    # every micro batch (once per step with fsdp_defer_grad_reduce). Hybrid: the same within the node
+    # (shard group = the node), then the fp32 gradient shard is all-reduced across the nodes.
+    shard = g if layout.hybrid else n
+    every, blocks = _fsdp_elements(model, shard)
     gathered = every + (blocks if w.fsdp_reshard_after_forward else 0)
     reduces = 1 if w.fsdp_defer_grad_reduce else acc
-    return int(ring * (acc * c * gathered + reduces * 4 * every)), 0
+    group = "node" if layout.hybrid else "all"
+    out = [Collective("all-gather parameters (forward, backward)", group, ring(shard) * acc * cb * gathered, True),
+           Collective("reduce-scatter fp32 gradients", group, ring(shard) * reduces * 4 * every, True)]
+    if layout.hybrid:
+        out.append(Collective("all-reduce fp32 gradient shards across nodes", "replicas",
+                              2 * ring(c.nodes) * reduces * 4 * every / g, True))
+    return out
+
+
+def comm_bytes(model: ModelSpec, layout: Layout) -> tuple[int, int]:
+    """(overlappable, exposed) bytes each GPU sends per optimizer step: `collectives` added up."""
+    parts = collectives(model, layout)
+    return (int(sum(x.sent for x in parts if x.overlappable)),
+            int(sum(x.sent for x in parts if not x.overlappable)))
+
+
+def collective_seconds(x: Collective, cluster: Cluster) -> float:
+    """How long one collective kind takes per step. Over every rank it runs at the slowest hop's speed
+    (a node's NICs carry what one GPU sends: one share per ring crosses each node boundary); within a
+    node at the GPUs' link; across the nodes the node's g parallel groups share its NICs."""
+    if x.group == "node":
+        return x.sent / cluster.intra_bandwidth
+    if x.group == "replicas":
+        return x.sent * cluster.gpus_per_node / cluster.inter_bandwidth
+    return x.sent / cluster.ring_bandwidth
+
+
+def inter_node_sent(x: Collective, cluster: Cluster) -> float:
+    """Bytes per step that one node sends to other nodes in `x`."""
+    if cluster.nodes == 1 or x.group == "node":
+        return 0.0
+    return x.sent * (cluster.gpus_per_node if x.group == "replicas" else 1)
 
 
 def _shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -329,13 +415,27 @@ def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
     return part + dev_master + dev_grads + bucket + created, load + host
 
 
+def train_flops_per_token(model: ModelSpec, seq_len: int) -> float:
+    """Training FLOPs per token at `seq_len`: 6 per parameter that multiplies (forward 2, backward 4;
+    lookups excluded) plus attention's QK^T and AV, 12 * L * s * q_dim (PaLM, appendix B): the
+    architecture's own count (`Arch.flops_per_token`, the MFU figure of `zerodp train`), or for a
+    --params guess 6 P + the attention term."""
+    if model.arch is not None:
+        return float(model.arch.flops_per_token(seq_len))
+    return 6.0 * model.active_params + 12.0 * model.n_layer * seq_len * model.q_dim
+
+
 def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     """Per-GPU memory and predicted step time of running `model` as `layout` says. Memory, traffic and
     the optimizer step use every parameter (`model.params`); compute uses `model.active_params`."""
     c, w = layout.cluster, layout.workload
     n, P, ac = c.world_size, model.params, layout.activation_checkpointing
     cb = COMPUTE_BYTES[w.precision]
+    hsdp = layout.hybrid and layout.strategy == "fsdp"  # shards over the node's GPUs only
+    if hsdp:
+        n = c.gpus_per_node
     params_b, grads_b, optim_b, master_b = engine_states(P, n, layout.strategy, w.precision)
+    secondary = cb * math.ceil(P / c.gpus_per_node) if layout.hybrid and layout.strategy == "zero3" else 0
 
     offloaded = 0
     if layout.strategy == "fsdp" and (layout.offload_optimizer or layout.offload_params):
@@ -359,28 +459,30 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     buckets = 0 if layout.strategy in ("single", "ddp", "fsdp") or n == 1 else 2 * w.bucket_mb * 2**20
     acts = activation_bytes(model, w, ac)
     overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
-    total = states + master_b + unsharded + gathered + buckets + acts + overhead
+    total = states + master_b + secondary + unsharded + gathered + buckets + acts + overhead
     usable = int(c.gpu.hbm_bytes * (1 - MARGIN))
     cpu_node = offloaded * c.gpus_per_node
     cpu_fits = None if not offloaded or c.cpu_ram_bytes is None else cpu_node <= c.cpu_ram_bytes
-    start_dev, start_host = startup_states(model, layout)
+    start_dev, start_host = startup_states(
+        model, dataclasses.replace(layout, cluster=dataclasses.replace(c, nodes=1)) if hsdp else layout)
     if not c.gpu.cuda:  # CPU ranks: the device is host memory, so its start-up peak holds both
         start_dev, start_host = start_dev + start_host, start_dev + start_host
     startup = start_dev + overhead
     startup_node = start_host * c.gpus_per_node
     startup_host_fits = None if c.cpu_ram_bytes is None else startup_node <= c.cpu_ram_bytes
 
-    # Time: 6*P*tokens FLOPs (forward 2, backward 4), +2 for the recomputed forward; P counts the
-    # parameters a token computes with (a mixture of experts: only the experts it is routed to).
+    # Time: training FLOPs per token (6 per multiplying parameter + attention, `train_flops_per_token`),
+    # a third more with the forward recomputed; a mixture of experts counts the experts a token is routed to.
     tokens = w.micro_batch * w.seq_len * w.grad_accum_steps
-    flops_per_token = (6 + (2 if ac else 0)) * model.active_params
+    flops_per_token = train_flops_per_token(model, w.seq_len) * (4 / 3 if ac else 1)
     peak = c.gpu.peak_flops_32 if w.precision == "fp32" else c.gpu.peak_flops_16
     compute_s = flops_per_token * tokens / (c.mfu * peak)
-    overlap, exposed = comm_bytes(model, layout)
-    bw = c.ring_bandwidth
+    parts = collectives(model, layout)
+    overlap_s = sum(collective_seconds(x, c) for x in parts if x.overlappable)
+    waited_s = sum(collective_seconds(x, c) for x in parts if not x.overlappable)
     # Gradient reduction can only hide behind the backward; ZeRO-3/FSDP prefetch behind everything.
     window = compute_s if sharded else compute_s * (4 + (2 if ac else 0)) / (6 + (2 if ac else 0))
-    exposed_s = max(0.0, overlap / bw - window) + exposed / bw
+    exposed_s = max(0.0, overlap_s - window) + waited_s
     offload_s = 0.0
     if offloaded:  # CPU Adam on this node's shards, plus gradients down and params up over PCIe
         offload_s = P / n * c.gpus_per_node / CPU_ADAM_PARAMS_PER_S + (4 + cb) * P / n / PCIE_BYTES_PER_S
@@ -392,13 +494,17 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         name=layout.name, strategy=layout.strategy, offload_optimizer=layout.offload_optimizer,
         offload_params=layout.offload_params, activation_checkpointing=ac,
         params_bytes=params_b, grads_bytes=grads_b, optimizer_bytes=optim_b, model_states_bytes=states,
-        engine_master_bytes=master_b, unsharded_grads_bytes=unsharded,
+        engine_master_bytes=master_b, unsharded_grads_bytes=unsharded, secondary_bytes=secondary,
         gathered_bytes=gathered, bucket_bytes=buckets, activations_bytes=acts, overhead_bytes=overhead,
         total_bytes=total, hbm_bytes=c.gpu.hbm_bytes, usable_bytes=usable, headroom_bytes=c.gpu.hbm_bytes - total,
         offloaded_bytes=offloaded, cpu_bytes_per_node=cpu_node, cpu_fits=cpu_fits,
         startup_bytes=startup, startup_host_bytes_per_node=startup_node, startup_host_fits=startup_host_fits,
         fits=total <= usable and startup <= usable and cpu_fits is not False and startup_host_fits is not False,
-        comm_bytes=overlap + exposed, compute_s=compute_s, comm_s=(overlap + exposed) / bw,
+        comm_bytes=int(sum(x.sent for x in parts)),
+        inter_node_bytes=int(sum(inter_node_sent(x, c) for x in parts)),
+        micro_batch=w.micro_batch, grad_accum_steps=w.grad_accum_steps,
+        exact=not (layout.hybrid and layout.strategy == "zero3"),
+        compute_s=compute_s, comm_s=overlap_s + waited_s,
         exposed_comm_s=exposed_s, offload_s=offload_s, step_s=step_s,
         scaling_efficiency=compute_s / step_s, tokens_per_s_per_gpu=tokens / step_s,
     )

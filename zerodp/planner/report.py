@@ -8,10 +8,14 @@ from __future__ import annotations
 from zerodp.planner.memory import MARGIN
 from zerodp.planner.units import gb, human_count, seconds
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-_COLUMNS = ("strategy", "ckpt", "params", "grads", "optim", "extra", "buffers", "activ", "overhd", "total", "startup",
-            "fits", "headroom", "comm/step", "step", "effic", "cpu/node")
+_COLUMNS = ("strategy", "micro", "accum", "ckpt", "params", "grads", "optim", "extra", "buffers", "activ", "overhd",
+            "total", "startup", "fits", "headroom", "comm/step", "inter/node", "step", "tok/s/gpu", "effic", "cpu/node")
+
+
+_SEARCH_FIELDS = ("micro_batch", "grad_accum_steps", "activation_checkpointing", "fits", "total_bytes", "step_s",
+                  "tokens_per_s_per_gpu")
 
 
 def _header(plan) -> list[str]:
@@ -24,8 +28,10 @@ def _header(plan) -> list[str]:
         f"zerodp plan: {m.name}, {human_count(m.params)} parameters ({m.params:,}{active}; {shape})",
         f"cluster: {c.world_size} x {c.gpu.name} {gb(c.gpu.hbm_bytes)} ({nodes}), {c.link}, "
         f"MFU {c.mfu:.0%}" + (f", CPU RAM {gb(c.cpu_ram_bytes)}/node" if c.cpu_ram_bytes else ""),
-        f"step: micro batch {w.micro_batch} x {w.seq_len} tokens x {w.grad_accum_steps} accumulation, "
-        f"{w.precision}, activation checkpointing: {ckpt}",
+        (f"step: global batch {plan.global_batch} sequences x {w.seq_len} tokens, micro batch searched among the "
+         f"divisors of {plan.global_batch // c.world_size} per GPU, " if plan.global_batch else
+         f"step: micro batch {w.micro_batch} x {w.seq_len} tokens x {w.grad_accum_steps} accumulation, ")
+        + f"{w.precision}, activation checkpointing: {ckpt}",
         f"memory per GPU in GB (1e9 bytes); fits = total and startup (start-up peak) within {1 - MARGIN:.0%} "
         f"of {gb(c.gpu.hbm_bytes)}" + (f", start-up host RAM within {gb(c.cpu_ram_bytes)} per node"
                                        if c.cpu_ram_bytes else ""),
@@ -34,15 +40,18 @@ def _header(plan) -> list[str]:
 
 def _cells(e) -> list[str]:
     """One row. 'extra' is what an engine holds beyond the paper's model states (DeepSpeed's fp32 master
-    copy in fp32, FSDP's unsharded gradients while accumulating); 'buffers' gathered layers and buckets;
-    'startup' the peak from building the model to the first step (the host side is in the JSON)."""
+    copy in fp32, FSDP's unsharded gradients while accumulating, hpZ's secondary partition); 'buffers'
+    gathered layers and buckets; 'startup' the peak from building the model to the first step (the host
+    side is in the JSON); 'inter/node' what each node sends to the others per step."""
     g = lambda b: f"{b / 1e9:.1f}"  # noqa: E731
     return [
-        e.name, "on" if e.activation_checkpointing else "off", g(e.params_bytes), g(e.grads_bytes),
-        g(e.optimizer_bytes), g(e.engine_master_bytes + e.unsharded_grads_bytes),
+        e.name, str(e.micro_batch), str(e.grad_accum_steps), "on" if e.activation_checkpointing else "off",
+        g(e.params_bytes), g(e.grads_bytes),
+        g(e.optimizer_bytes), g(e.engine_master_bytes + e.unsharded_grads_bytes + e.secondary_bytes),
         g(e.gathered_bytes + e.bucket_bytes), g(e.activations_bytes),
         g(e.overhead_bytes), g(e.total_bytes), g(e.startup_bytes), "yes" if e.fits else "NO", g(e.headroom_bytes),
-        g(e.comm_bytes), seconds(e.step_s), f"{e.scaling_efficiency:.0%}",
+        g(e.comm_bytes), g(e.inter_node_bytes) if e.inter_node_bytes else "-", seconds(e.step_s),
+        f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.scaling_efficiency:.0%}",
         g(e.cpu_bytes_per_node) if e.offloaded_bytes else "-",
     ]
 
@@ -50,7 +59,10 @@ def _cells(e) -> list[str]:
 def render_table(plan) -> str:
     """The header, one row per strategy, then the choice and one sentence per rejected option."""
     rows = [list(_COLUMNS)] + [_cells(e) for e in plan.estimates]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    if plan.cluster.nodes == 1:  # nothing crosses nodes
+        drop = _COLUMNS.index("inter/node")
+        rows = [r[:drop] + r[drop + 1:] for r in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = _header(plan) + [""]
     for r in rows:
         lines.append("  ".join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
@@ -73,7 +85,9 @@ def plan_dict(plan) -> dict:
                   "ffn_hidden": m.ffn_hidden, "kv_dim": m.kv_dim, "context": m.context, "assumed": m.shape_assumed},
         "cluster": {"gpu": c.gpu.name, "hbm_bytes": c.gpu.hbm_bytes, "gpus_per_node": c.gpus_per_node,
                     "nodes": c.nodes, "world_size": c.world_size, "interconnect": c.link,
-                    "ring_bandwidth_bytes_per_s": c.ring_bandwidth, "cpu_ram_bytes": c.cpu_ram_bytes, "mfu": c.mfu},
+                    "ring_bandwidth_bytes_per_s": c.ring_bandwidth, "intra_node_bandwidth_bytes_per_s":
+                    c.intra_bandwidth, "inter_node_bandwidth_bytes_per_s": c.inter_bandwidth if c.nodes > 1 else None,
+                    "cpu_ram_bytes": c.cpu_ram_bytes, "mfu": c.mfu},
         "workload": {"micro_batch": w.micro_batch, "seq_len": w.seq_len, "precision": w.precision,
                      "grad_accum_steps": w.grad_accum_steps, "bucket_mb": w.bucket_mb},
         "margin": MARGIN,
@@ -83,6 +97,11 @@ def plan_dict(plan) -> dict:
         "offload_optimizer": plan.offload_optimizer,
         "offload_params": plan.offload_params,
         "activation_checkpointing": plan.activation_checkpointing,
+        "hybrid": plan.hybrid,
+        "micro_batch": plan.micro_batch,
+        "global_batch": plan.global_batch,
+        "search": {name: [{k: getattr(e, k) for k in _SEARCH_FIELDS} for e in tried]
+                   for name, tried in plan.search.items()},
         "reasons": list(plan.reasons),
         "suggestion": plan.suggestion,
         "assumptions": list(plan.assumptions),

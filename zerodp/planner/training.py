@@ -18,17 +18,23 @@ def workload_from_config(cfg, world_size: int) -> Workload:
     and train's gradient accumulation (Config.check_batch_split): a global batch that does not split
     evenly over `world_size` raises the ConfigError `zerodp train` would stop with."""
     t = cfg.train
-    accum = cfg.check_batch_split(world_size)
+    if t.micro_batch_size == "auto":  # searched by the planner: start from micro batch 1
+        from zerodp.planner.choose import check_global_batch
+        check_global_batch(t.global_batch_size, world_size, "train.global_batch_size")
+        micro, accum = 1, t.global_batch_size // world_size
+    else:
+        micro, accum = t.micro_batch_size, cfg.check_batch_split(world_size)
     s = cfg.strategy
     zero = (s.deepspeed or {}).get("zero_optimization", {})  # the DeepSpeed settings ZeRO-3's traffic depends on
-    return Workload(t.micro_batch_size, cfg.model.block_size, t.precision, accum, s.bucket_size_mb,
+    return Workload(micro, cfg.model.block_size, t.precision, accum, s.bucket_size_mb,
                     s.fsdp_defer_grad_reduce, s.reshard_after_forward,
                     int(zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)),
                     int(max(zero.get("stage3_max_reuse_distance", 1e9), zero.get("stage3_prefetch_bucket_size", 5e7))))
 
 
 def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_name: str = "cpu", *,
-                      gpus_per_node: Optional[int] = None, allow_checkpointing: bool = True) -> Plan:
+                      gpus_per_node: Optional[int] = None, allow_checkpointing: bool = True,
+                      strategy: Optional[str] = None) -> Plan:
     """Choose how to train `cfg` (a zerodp.config.Config) on `world_size` ranks whose devices each
     have `device_memory_bytes` (torch.cuda.get_device_properties(i).total_memory, or the RAM share
     of a CPU rank) and are called `device_name` (torch.cuda.get_device_name(), or 'cpu').
@@ -38,14 +44,23 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     `.activation_checkpointing`. model.activation_checkpointing=true forces checkpointing on;
     otherwise the planner turns it on only where that is what makes the model fit (unless
     `allow_checkpointing` is False). `gpus_per_node` defaults to world_size up to 8 ranks, else 8
-    when it divides world_size. Imports neither torch nor deepspeed.
+    when it divides world_size. With train.micro_batch_size=auto the micro batch is searched too
+    (`plan.micro_batch`), and `strategy` (the config's own, not auto) restricts the search to it.
+    Rows that change the numerics (zero3+zero++) are never chosen. Imports neither torch nor deepspeed.
 
     Raises UserError for a world size or memory below 1, and train's ConfigError when the global
     batch does not split over `world_size` ranks.
     """
     cluster, note = _cluster(world_size, device_memory_bytes, device_name, gpus_per_node)
     requested = True if cfg.model.activation_checkpointing else (None if allow_checkpointing else False)
-    plan = choose(spec_from_model_config(cfg.model), cluster, workload_from_config(cfg, world_size), requested)
+    search = cfg.train.micro_batch_size == "auto"
+    workload = workload_from_config(cfg, world_size)
+    layouts = None
+    if strategy is not None:
+        layouts = [_layout(cfg, cluster, workload)]
+    plan = choose(spec_from_model_config(cfg.model), cluster, workload, requested,
+                  global_batch=cfg.train.global_batch_size if search else None, exact_only=strategy is None,
+                  layouts=layouts)
     if note:
         plan.assumptions.append(note)
     if plan.activation_checkpointing and not cfg.model.activation_checkpointing and plan.choice:
@@ -60,11 +75,17 @@ def estimate_for_run(cfg, world_size: int, device_memory_bytes: int, device_name
     activation checkpointing; cfg.strategy.name resolved, not auto) on `world_size` ranks: what
     `zerodp train` prints at the start and holds the measurement against at the end."""
     cluster, _ = _cluster(world_size, device_memory_bytes, device_name, gpus_per_node)
-    s = cfg.strategy
-    name = "single" if s.name == "ddp" and world_size == 1 else s.name
-    layout = Layout(name, cluster, workload_from_config(cfg, world_size), s.offload_optimizer, s.offload_params,
-                    cfg.model.activation_checkpointing)
+    layout = _layout(cfg, cluster, workload_from_config(cfg, world_size))
     return estimate(spec_from_model_config(cfg.model), layout)
+
+
+def _layout(cfg, cluster: Cluster, workload: Workload) -> Layout:
+    """The row of the strategy `cfg` names (not auto), with its offload, hybrid and checkpointing settings."""
+    s = cfg.strategy
+    name = "single" if s.name == "ddp" and cluster.world_size == 1 else s.name
+    hybrid = cluster.nodes > 1 and s.name == "fsdp" and s.hybrid_shard
+    return Layout(name, cluster, workload, s.offload_optimizer, s.offload_params,
+                  cfg.model.activation_checkpointing, hybrid=hybrid)
 
 
 def _cluster(world_size: int, device_memory_bytes: int, device_name: str,

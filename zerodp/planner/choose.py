@@ -170,7 +170,7 @@ def check_global_batch(global_batch: int, world_size: int, flag: str = "--global
         raise UserError(f"{given} must be at least 1 sequence, e.g. {flag} 512")
     if global_batch % world_size:
         near = (global_batch // world_size + 1) * world_size
-        ok = [n for n in divisors(global_batch) if n <= 1024][-4:]
+        ok = sorted(sorted(divisors(global_batch), key=lambda d: abs(d - world_size))[:4])
         raise UserError(f"{given} does not split over {world_size} GPUs: no micro batch divides "
                         f"{global_batch / world_size:g} sequences per GPU; use a multiple of {world_size} such "
                         f"as {near}, or a GPU count that divides it ({', '.join(map(str, ok))})")

@@ -57,7 +57,7 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     workload = workload_from_config(cfg, world_size)
     layouts = None
     if strategy is not None:
-        layouts = [_layout(cfg, cluster, workload)]
+        layouts = [_layout(cfg, cluster, workload, strategy)]
     plan = choose(spec_from_model_config(cfg.model), cluster, workload, requested,
                   global_batch=cfg.train.global_batch_size if search else None, exact_only=strategy is None,
                   layouts=layouts)
@@ -79,11 +79,12 @@ def estimate_for_run(cfg, world_size: int, device_memory_bytes: int, device_name
     return estimate(spec_from_model_config(cfg.model), layout)
 
 
-def _layout(cfg, cluster: Cluster, workload: Workload) -> Layout:
-    """The row of the strategy `cfg` names (not auto), with its offload, hybrid and checkpointing settings."""
-    s = cfg.strategy
-    name = "single" if s.name == "ddp" and cluster.world_size == 1 else s.name
-    hybrid = cluster.nodes > 1 and s.name == "fsdp" and s.hybrid_shard
+def _layout(cfg, cluster: Cluster, workload: Workload, strategy: Optional[str] = None) -> Layout:
+    """The row of `strategy` (default: the one `cfg` names, not auto), with the config's offload, hybrid
+    and checkpointing settings."""
+    s, strategy = cfg.strategy, strategy or cfg.strategy.name
+    name = "single" if strategy == "ddp" and cluster.world_size == 1 else strategy
+    hybrid = cluster.nodes > 1 and strategy == "fsdp" and s.hybrid_shard
     return Layout(name, cluster, workload, s.offload_optimizer, s.offload_params,
                   cfg.model.activation_checkpointing, hybrid=hybrid)
 

@@ -371,7 +371,8 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], plan: Plan) ->
                 f"fits: {speed}.")
     ratio = chosen.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu
     if ratio > 1 + TIE:
-        return f"{fits}, but slower: {speed} ({ratio - 1:.0%} slower: {_slower_because(r, chosen)})."
+        how = f"{ratio - 1:.0%} slower" if ratio < 2 else f"{ratio:.1f}x as long"
+        return f"{fits}, but slower: {speed} ({how}: {_slower_because(r, chosen)})."
     if ratio < 1:
         return (f"{fits}, {speed}: {1 / ratio - 1:.1%} faster, within {TIE:.0%}, so the simpler {chosen.name} "
                 f"is kept ({ORDER}).")

@@ -222,3 +222,16 @@ def test_train_dry_run_with_auto_prints_the_micro_batch(tmp_path):
                     r"tokens/s per device: Micro batch", line), line
     micro, accum = map(int, re.search(r"micro batch (\d+) x (\d+) accumulation", line).groups())
     assert micro * accum == 480
+
+
+def test_training_with_auto_runs_the_micro_batch_it_prints(tmp_path):
+    from tests.test_first_day import train
+
+    r = train(tmp_path / "run", "train.max_steps=1", "train.micro_batch_size=auto")
+    out = r.stdout + r.stderr
+    line = next(x for x in out.splitlines() if "train.micro_batch_size=auto: micro batch" in x)
+    micro, accum = map(int, re.search(r"micro batch (\d+) x (\d+) accumulation", line).groups())
+    assert micro * accum == 4  # the global batch of tests.test_first_day.SMALL, on one process
+    assert f"global batch 4 = micro {micro} x world 1 x accum {accum}" in out
+    resolved = load_config(tmp_path / "run" / "config.yaml")
+    assert resolved.train.micro_batch_size == micro

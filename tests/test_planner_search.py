@@ -235,3 +235,19 @@ def test_training_with_auto_runs_the_micro_batch_it_prints(tmp_path):
     assert f"global batch 4 = micro {micro} x world 1 x accum {accum}" in out
     resolved = load_config(tmp_path / "run" / "config.yaml")
     assert resolved.train.micro_batch_size == micro
+
+
+def test_auto_where_even_micro_batch_1_does_not_fit_says_what_would():
+    import torch
+
+    from zerodp.train import resolve_strategy
+
+    cfg = load_config(ROOT / "configs/tiny.yaml", ["model.n_layer=48", "model.n_embd=4096", "model.n_head=32",
+                                                  "train.micro_batch_size=auto", "strategy.name=ddp"])
+    with pytest.raises(UserError, match=r"^train.micro_batch_size=auto: nothing fits in [\d.]+ GB per rank on 2 "
+                                        r"rank\(s\)\. (Smallest that fits|It would fit|No number of GPUs)"):
+        resolve_strategy(cfg, 2, torch.device("cpu"), 2)
+    small = load_config(ROOT / "configs/tiny.yaml", ["train.micro_batch_size=auto", "strategy.name=ddp"])
+    resolved, plan = resolve_strategy(small, 2, torch.device("cpu"), 2)
+    assert resolved.strategy.name == "ddp" and isinstance(resolved.train.micro_batch_size, int)
+    assert resolved.train.global_batch_size % (2 * resolved.train.micro_batch_size) == 0

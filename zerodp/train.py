@@ -66,12 +66,14 @@ def resolve_strategy(cfg: Config, world_size: int, device: torch.device, local_w
         what = "strategy.name=auto" if cfg.strategy.name == "auto" else "train.micro_batch_size=auto"
         raise UserError(f"{what}: nothing fits in {memory / 1e9:.1f} GB per rank on {world_size} "
                         f"rank(s). {plan.suggestion or 'Use more GPUs, a smaller micro batch or a smaller model.'}")
+    chose_strategy = cfg.strategy.name == "auto"
     cfg = copy.deepcopy(cfg)
-    cfg.strategy.name = plan.choice
-    cfg.strategy.offload_optimizer = plan.offload_optimizer
-    cfg.strategy.offload_params = plan.offload_params
-    if plan.hybrid:  # only fsdp+hybrid: strategy: auto never picks the approximate zero3+zero++
-        cfg.strategy.hybrid_shard = True
+    if chose_strategy:
+        cfg.strategy.name = plan.choice
+        cfg.strategy.offload_optimizer = plan.offload_optimizer
+        cfg.strategy.offload_params = plan.offload_params
+        if plan.hybrid:  # only fsdp+hybrid: strategy: auto never picks the approximate zero3+zero++
+            cfg.strategy.hybrid_shard = True
     cfg.model.activation_checkpointing = plan.activation_checkpointing
     if search:
         cfg.train.micro_batch_size = plan.micro_batch

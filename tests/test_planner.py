@@ -18,7 +18,8 @@ from zerodp.planner import (
     model_states, plan_for_training, preset, spec_from_hf_config, spec_from_params,
 )
 from zerodp.planner.cli import add_parser, run
-from zerodp.planner.memory import comm_bytes, layer_activation_factor
+from zerodp.planner.memory import layer_activation_factor
+from zerodp.planner.traffic import comm_bytes
 from zerodp.planner.models import gpt2_spec
 from zerodp.planner.units import parse_bytes, parse_count
 

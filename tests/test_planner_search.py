@@ -13,7 +13,7 @@ import pytest
 
 from zerodp.config import Config, ConfigError, ModelConfig, load_config
 from zerodp.errors import UserError
-from zerodp.planner import Cluster, Layout, Workload, choose, estimate, gpu_preset, plan_for_training, preset
+from zerodp.planner import Cluster, Workload, choose, gpu_preset, plan_for_training, preset
 from zerodp.planner.choose import TIE, pick
 from zerodp.planner.cli import add_parser, run
 from zerodp.planner.units import seconds

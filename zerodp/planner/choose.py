@@ -6,6 +6,7 @@ zero3+zero++ (the last two on several nodes only). Offload rows (a CPU optimizer
 chosen only when nothing else fits. With a global batch the micro batch (a divisor of the global batch
 per rank) and activation checkpointing are searched for every row, each row showing its highest
 predicted tokens/s, accumulation following from the global batch as in `zerodp train`.
+zerodp/planner/rows.py makes the rows and picks; zerodp/planner/reasons.py says why.
 """
 
 from __future__ import annotations
@@ -16,30 +17,13 @@ from typing import Optional
 
 from zerodp.errors import UserError
 from zerodp.planner.hardware import Cluster
-from zerodp.planner.memory import MARGIN, Layout, MemoryEstimate, Workload, activation_bytes, estimate
+from zerodp.planner.memory import Layout, MemoryEstimate, Workload
 from zerodp.planner.models import ModelSpec
-from zerodp.planner.units import gb, seconds
+from zerodp.planner.reasons import reasons, suggest
+from zerodp.planner.rows import TIE, divisors, pick, row, search
+from zerodp.planner.rows import layouts as all_layouts
 
-# (strategy, offload_optimizer, offload_params, hybrid), in order of preference (simplest first).
-VARIANTS = (
-    ("ddp", False, False, False),
-    ("zero1", False, False, False),
-    ("zero2", False, False, False),
-    ("fsdp", False, False, False),   # before zero3: same memory (without accumulation), torch-native
-    ("zero3", False, False, False),
-    ("fsdp", False, False, True),    # several nodes only: shard within a node, replicate across (HSDP)
-    ("zero3", False, False, True),   # several nodes only: ZeRO++ (hpZ, int8 weights, int4 gradients)
-    ("zero2", True, False, False),
-    ("zero3", True, False, False),
-    ("fsdp", True, True, False),
-    ("zero3", True, True, False),
-)
-TIE = 0.03
-"""Rows predicted within this fraction of the fastest are ties, and the simpler one is chosen."""
-CLOSE = 0.005
-"""Micro batches within this fraction of a row's best tokens/s are ties; the largest is shown (the constant
-MFU does not capture that kernels run better on more tokens per micro batch)."""
-ORDER = "ddp < zero1 < zero2 < fsdp < zero3 < fsdp+hybrid < zero3+zero++"
+__all__ = ["Plan", "TIE", "check_global_batch", "choose", "pick"]
 
 
 @dataclass
@@ -94,74 +78,6 @@ class Plan:
         return plan_dict(self)
 
 
-def _offloads(r: MemoryEstimate) -> bool:
-    return r.offload_optimizer or r.offload_params
-
-
-def _layouts(cluster: Cluster, workload: Workload) -> list[Layout]:
-    """The rows of the table, in order of preference; on one GPU 'ddp' is plain 'single'."""
-    out = []
-    for strategy, oo, op, hybrid in VARIANTS:
-        if oo and not cluster.gpu.cuda:
-            continue  # a CPU device has no faster memory to offload to
-        if hybrid and cluster.nodes == 1:
-            continue  # within one node there is nothing slower to avoid
-        if strategy == "ddp" and cluster.world_size == 1:
-            strategy = "single"
-        out.append(Layout(strategy, cluster, workload, oo, op, hybrid=hybrid))
-    return out
-
-
-def _row(model: ModelSpec, base: Layout, requested: Optional[bool]) -> MemoryEstimate:
-    """The estimate for one variant: checkpointing as requested, or off unless only on fits."""
-    if requested is not None:
-        return estimate(model, dataclasses.replace(base, activation_checkpointing=requested))
-    off = estimate(model, base)
-    if off.fits or (off.total_bytes <= off.usable_bytes and off.cpu_fits is not False):
-        return off  # fits, or only its start-up peak does not: checkpointing shrinks activations alone
-    return estimate(model, dataclasses.replace(base, activation_checkpointing=True))
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _search(model: ModelSpec, base: Layout, requested: Optional[bool],
-            global_batch: int) -> tuple[MemoryEstimate, list[MemoryEstimate]]:
-    """Every micro batch that divides the global batch per rank, with checkpointing off and on (or as
-    requested): (the one with the highest predicted tokens/s that fits, everything tried). When none
-    fits, the smallest: micro batch 1, checkpointing on unless it was requested off."""
-    per_rank = global_batch // base.cluster.world_size
-    tried = []
-    for b in divisors(per_rank):
-        w = dataclasses.replace(base.workload, micro_batch=b, grad_accum_steps=per_rank // b)
-        for ac in ((False, True) if requested is None else (requested,)):
-            tried.append(estimate(model, dataclasses.replace(base, workload=w, activation_checkpointing=ac)))
-    fitting = [e for e in tried if e.fits]
-    if not fitting:
-        smallest = requested is not False
-        return next(e for e in tried if e.micro_batch == 1 and e.activation_checkpointing == smallest), tried
-    return _best(fitting), tried
-
-
-def _best(fitting: list[MemoryEstimate]) -> MemoryEstimate:
-    """The highest predicted tokens/s; within CLOSE of it, checkpointing off and the largest micro batch."""
-    best = max(e.tokens_per_s_per_gpu for e in fitting)
-    close = [e for e in fitting if e.tokens_per_s_per_gpu >= best * (1 - CLOSE)]
-    return max(close, key=lambda e: (not e.activation_checkpointing, e.micro_batch))
-
-
-def pick(rows: list[MemoryEstimate], exact_only: bool = False) -> Optional[MemoryEstimate]:
-    """The fastest row that fits (offload rows only when nothing else does; with `exact_only` none that
-    changes the numerics), the simplest (first in `rows`) within TIE of it."""
-    fitting = [r for r in rows if r.fits and (r.exact or not exact_only)]
-    pool = [r for r in fitting if not _offloads(r)] or fitting
-    if not pool:
-        return None
-    fastest = max(r.tokens_per_s_per_gpu for r in pool)
-    return next(r for r in pool if r.tokens_per_s_per_gpu * (1 + TIE) >= fastest)
-
-
 def check_global_batch(global_batch: int, world_size: int, flag: str = "--global-batch") -> None:
     """A global batch every rank can take an equal whole number of sequences of; else a UserError naming
     `flag` (the option or config key that set it)."""
@@ -185,262 +101,34 @@ def choose(model: ModelSpec, cluster: Cluster, workload: Workload,
     the micro batch for each row instead of taking the workload's; `exact_only` leaves out rows whose
     quantised collectives change the numerics (what `strategy: auto` may run). `layouts` replaces the
     rows (a training config's own strategy, to search its micro batch)."""
-    rows, search = [], {}
+    estimates: list[MemoryEstimate] = []
+    searched: dict[str, list[MemoryEstimate]] = {}
     if global_batch is not None:
         check_global_batch(global_batch, cluster.world_size)
-    for layout in layouts or _layouts(cluster, workload):
+    for layout in layouts or all_layouts(cluster, workload):
         if global_batch is None:
-            rows.append(_row(model, layout, activation_checkpointing))
+            estimates.append(row(model, layout, activation_checkpointing))
         else:
-            best, tried = _search(model, layout, activation_checkpointing, global_batch)
-            rows.append(best)
-            search[best.name] = tried
-    chosen = pick(rows, exact_only)
+            top, tried = search(model, layout, activation_checkpointing, global_batch)
+            estimates.append(top)
+            searched[top.name] = tried
+    chosen = pick(estimates, exact_only)
     plan = Plan(
         choice=chosen.strategy if chosen else None,
         offload_optimizer=bool(chosen and chosen.offload_optimizer),
         offload_params=bool(chosen and chosen.offload_params),
         activation_checkpointing=bool(chosen.activation_checkpointing if chosen else activation_checkpointing),
-        estimates=rows, reasons=[], model=model, cluster=cluster, workload=workload,
+        estimates=estimates, reasons=[], model=model, cluster=cluster, workload=workload,
         requested_checkpointing=activation_checkpointing,
         hybrid=bool(chosen and chosen.name in ("fsdp+hybrid", "zero3+zero++")),
-        global_batch=global_batch, search=search, exact_only=exact_only,
+        global_batch=global_batch, search=searched, exact_only=exact_only,
     )
-    plan.reasons = _reasons(plan, chosen)
+    plan.reasons = reasons(plan, chosen)
     if chosen is None:
         small = workload if global_batch is None else dataclasses.replace(
             workload, micro_batch=1, grad_accum_steps=global_batch // cluster.world_size)
-        plan.suggestion = _suggest(model, cluster, small, activation_checkpointing)
+        plan.suggestion = suggest(model, cluster, small, activation_checkpointing)
         plan.reasons.append(plan.suggestion)
     return plan
 
 
-def _where(c: Cluster) -> str:
-    nodes = f"{c.nodes} nodes x {c.gpus_per_node}" if c.nodes > 1 else f"{c.gpus_per_node}"
-    return f"{nodes} x {gb(c.gpu.hbm_bytes)} {c.gpu.name}"
-
-
-def _per_s(r: MemoryEstimate) -> str:
-    return f"{r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
-
-
-def _reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
-    """One sentence for the choice, one on the micro batch or checkpointing, one per other row."""
-    out = []
-    if chosen:
-        ckpt = "on" if chosen.activation_checkpointing else "off"
-        micro = (f", micro batch {chosen.micro_batch} x {chosen.grad_accum_steps} accumulation"
-                 if plan.global_batch else "")
-        why = ("the only rows that fit offload, and this is the fastest of them" if _offloads(chosen)
-               else "the fastest predicted step that fits" + (f" (simplest within {TIE:.0%})"
-                                                              if _ties(plan, chosen) else ""))
-        out.append(f"Choice: {chosen.name} with activation checkpointing {ckpt}{micro}: {gb(chosen.total_bytes)} "
-                   f"of {gb(chosen.hbm_bytes)} per GPU, predicted {seconds(chosen.step_s)} per step "
-                   f"({_per_s(chosen)}) at {chosen.scaling_efficiency:.0%} scaling efficiency: {why}.")
-        if chosen.offloaded_bytes:
-            checked = "" if plan.cluster.cpu_ram_bytes else " (not checked: pass --cpu-ram)"
-            out.append(f"Offloading keeps {gb(chosen.cpu_bytes_per_node)} per node in CPU RAM{checked}; "
-                       + _suggest(plan.model, plan.cluster, plan.workload, plan.requested_checkpointing,
-                                  without_offload=True))
-        if plan.global_batch:
-            out.append(_micro_sentence(plan, chosen))
-        elif plan.requested_checkpointing is None:
-            if chosen.activation_checkpointing:
-                without = activation_bytes(plan.model, plan.workload, False)
-                out.append(f"Activation checkpointing turned on: without it activations need {gb(without)} per GPU "
-                           "and it does not fit; recomputing the forward adds ~33% compute, included in the step time.")
-            else:
-                out.append("Activation checkpointing left off: it fits without it, and it would add ~33% compute.")
-    else:
-        out.append(f"Nothing fits on {_where(plan.cluster)} ({MARGIN:.0%} of memory kept free).")
-    for r in plan.estimates:
-        if chosen is None or r.name != chosen.name:
-            out.append(f"{r.name}: {_why_not(r, chosen, plan)}")
-    return out
-
-
-def _ties(plan: Plan, chosen: MemoryEstimate) -> bool:
-    """Whether a row after the choice is predicted faster (within TIE)."""
-    return any(r.fits and not _offloads(r) and r.tokens_per_s_per_gpu > chosen.tokens_per_s_per_gpu
-               and (r.exact or not plan.exact_only) for r in plan.estimates)
-
-
-def _micro_sentence(plan: Plan, chosen: MemoryEstimate) -> str:
-    """Why this micro batch and checkpointing setting, from the search of the chosen row."""
-    tried = plan.search.get(chosen.name, [])
-    fit = sorted({e.micro_batch for e in tried if e.fits and e.activation_checkpointing == chosen.activation_checkpointing})
-    listed = ", ".join(map(str, fit)) if len(fit) <= 6 else f"{len(fit)} of them, {fit[0]} to {fit[-1]}"
-    head = (f"Micro batch {chosen.micro_batch} of the divisors of {plan.global_batch // plan.cluster.world_size} "
-            f"sequences per GPU (global batch {plan.global_batch}): ")
-    same = [e for e in tried if e.fits and e.activation_checkpointing == chosen.activation_checkpointing]
-    if len(fit) > 1 and max(e.tokens_per_s_per_gpu for e in same) < chosen.tokens_per_s_per_gpu * (1 + CLOSE) \
-            and min(e.tokens_per_s_per_gpu for e in same) * (1 + CLOSE) >= chosen.tokens_per_s_per_gpu:
-        head += f"those that fit ({listed}) predict the same tokens/s, and the largest is taken"
-    else:
-        head += f"the highest predicted tokens/s among those that fit ({listed})"
-    other = [e for e in tried if e.fits and e.activation_checkpointing != chosen.activation_checkpointing]
-    if chosen.activation_checkpointing:
-        if other:
-            alt = _best(other)
-            tail = (f"; checkpointing on: without it micro batch {alt.micro_batch} at most fits, "
-                    f"{_per_s(alt)}")
-        elif plan.requested_checkpointing is None:
-            tail = "; checkpointing on: without it no micro batch fits"
-        else:
-            tail = "; checkpointing on, as requested"
-    elif other and _best(other).micro_batch > chosen.micro_batch:
-        alt = _best(other)
-        tail = (f"; checkpointing off: with it micro batch {alt.micro_batch} would fit, {_per_s(alt)} "
-                f"(recomputing the forward costs ~33%)")
-    elif other:
-        tail = "; checkpointing off: every micro batch fits without it, and recomputing the forward costs ~33%"
-    else:
-        tail = "; checkpointing off" + (", as requested" if plan.requested_checkpointing is False else "")
-    return head + tail + "."
-
-
-def _startup_device(r: MemoryEstimate) -> str:
-    """What the row holds on the GPU at its start-up peak (memory.startup_states), in words."""
-    master = "" if r.offload_optimizer else " and the fp32 master partition"
-    z3 = "a reduce bucket" if r.offload_optimizer else "the fp32 master and gradient partitions, a reduce bucket"
-    return {
-        "single": "fp32 parameters, 4P",
-        "ddp": "fp32 parameters and DDP's gradient buckets, 8P",
-        "zero1": f"the 16-bit module{master}",
-        "zero2": f"the 16-bit module{master}",
-        "zero3": f"the partitions, {z3}, one module created in fp32",
-        "fsdp": "fp32 shards, 4P/N",
-    }[r.strategy]
-
-
-def _startup_host(r: MemoryEstimate, cluster: Cluster) -> str:
-    if not cluster.gpu.cuda:
-        return "every rank's start-up peak, the device being host memory"
-    parts = ["one fp32 checkpoint tensor being loaded per rank"]
-    if r.strategy in ("zero1", "zero2"):
-        parts.append("DeepSpeed staging each rank's 16-bit module to flatten it")
-    if r.offload_optimizer or r.offload_params:
-        parts.append("the states offloaded from the start")
-    return ", ".join(parts)
-
-
-def _slower_because(r: MemoryEstimate, chosen: MemoryEstimate) -> str:
-    """The term of the step-time model that makes `r` slower than the choice."""
-    causes = []
-    if r.compute_s > chosen.compute_s * 1.001:
-        causes.append("recomputing the forward for activation checkpointing (+33% compute)"
-                      if r.activation_checkpointing and not chosen.activation_checkpointing
-                      else f"{seconds(r.compute_s)} of compute vs {seconds(chosen.compute_s)}")
-    if r.exposed_comm_s > chosen.exposed_comm_s:
-        inter = f", {gb(r.inter_node_bytes)} across nodes per node" if r.inter_node_bytes else ""
-        causes.append(f"{seconds(r.exposed_comm_s)} of communication not hidden behind compute "
-                      f"vs {seconds(chosen.exposed_comm_s)} (it sends {gb(r.comm_bytes)} per GPU{inter})")
-    return "; ".join(causes) or "its predicted step is longer"
-
-
-def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], plan: Plan) -> str:
-    cluster = plan.cluster
-    if r.cpu_fits is False:
-        return (f"needs {gb(r.cpu_bytes_per_node)} of CPU RAM per node for offloaded states, "
-                f"more than --cpu-ram allows.")
-    if r.total_bytes > r.usable_bytes:
-        big = max((r.model_states_bytes, "model states"), (r.activations_bytes, "activations"),
-                  (r.gathered_bytes, "gathered layers"),
-                  (r.unsharded_grads_bytes, "unsharded gradients kept while accumulating"))
-        smallest = " even at micro batch 1" if plan.global_batch else ""
-        return (f"does not fit{smallest}: needs {gb(r.total_bytes)} per GPU ({big[1]} {gb(big[0])}), "
-                f"over the {gb(r.usable_bytes)} usable.")
-    if r.startup_bytes > r.usable_bytes:
-        return (f"does not fit at start-up: start-up peak {gb(r.startup_bytes)} per GPU "
-                f"({_startup_device(r)}) > {gb(r.usable_bytes)} usable, though training "
-                f"would then need {gb(r.total_bytes)}.")
-    if r.startup_host_fits is False:
-        return (f"does not fit at start-up in host RAM: start-up peak {gb(r.startup_host_bytes_per_node)} of "
-                f"host RAM per node ({_startup_host(r, cluster)}) > {gb(cluster.cpu_ram_bytes)} per node.")
-    fits = f"fits ({gb(r.total_bytes)}" + (f", micro batch {r.micro_batch}" if plan.global_batch else "") + ")"
-    if not r.exact and plan.exact_only:
-        return (f"{fits}, predicted {seconds(r.step_s)} per step, but its int8 weight all-gather and int4 "
-                "gradient reduction change the numerics, so strategy: auto does not choose it; set "
-                "strategy.name=zero3 with strategy.hpz_partition_size, quantized_weights and "
-                "quantized_gradients to run it.")
-    if chosen is None:
-        return f"{fits}."
-    speed = f"predicted {seconds(r.step_s)} per step vs {seconds(chosen.step_s)} for {chosen.name}"
-    if _offloads(r) and not _offloads(chosen):
-        return (f"{fits}, but offloading (a CPU optimizer step, PCIe copies) is kept for when nothing else "
-                f"fits: {speed}.")
-    ratio = chosen.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu
-    if ratio > 1 + TIE:
-        how = f"{ratio - 1:.0%} slower" if ratio < 2 else f"{ratio:.1f}x as long"
-        return f"{fits}, but slower: {speed} ({how}: {_slower_because(r, chosen)})."
-    if ratio < 1:
-        return (f"{fits}, {speed}: {1 / ratio - 1:.1%} faster, within {TIE:.0%}, so the simpler {chosen.name} "
-                f"is kept ({ORDER}).")
-    return f"{fits}, {speed}: within {TIE:.0%}, and {chosen.name} is simpler ({ORDER})."
-
-
-def _sharded(workload: Workload) -> str:
-    """The strategy whose memory shrinks most with more GPUs: fsdp, or zero3 when fsdp defers its
-    gradient reduction while accumulating (it then keeps a 4P of unsharded gradients that no number of
-    GPUs divides)."""
-    return "zero3" if workload.fsdp_defer_grad_reduce and workload.grad_accum_steps > 1 else "fsdp"
-
-
-def _min_gpus(model: ModelSpec, cluster: Cluster, workload: Workload, ac: bool) -> Optional[Cluster]:
-    """The smallest cluster with more GPUs on which `_sharded(workload)` fits: up to a full node
-    (8 GPUs unless --gpus says more) on one machine, then whole nodes. None when no size does."""
-    node = max(cluster.gpus_per_node, 8) if cluster.nodes == 1 else cluster.gpus_per_node
-
-    def at(n_nodes: int, per_node: int) -> Cluster:
-        return dataclasses.replace(cluster, gpus_per_node=per_node, nodes=n_nodes)
-
-    def fits(c: Cluster) -> bool:
-        return estimate(model, Layout(_sharded(workload), c, workload, activation_checkpointing=ac)).fits
-
-    for n in range(cluster.world_size + 1, node + 1):  # grow inside one node first
-        if fits(at(1, n)):
-            return at(1, n)
-    lo, hi = max(1, cluster.world_size // node), max(2, cluster.world_size // node * 2)
-    if not fits(at(1 << 14, node)):  # memory only shrinks as shards get smaller: the limit decides
-        return None
-    while not fits(at(hi, node)):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # bisect on the number of nodes
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(at(mid, node)) else (mid, hi)
-    return at(hi, node)
-
-
-def _gpus(c: Cluster) -> str:
-    return f"{c.world_size} GPUs" + (f" ({c.nodes} nodes of {c.gpus_per_node})" if c.nodes > 1 else "")
-
-
-def _suggest(model: ModelSpec, cluster: Cluster, workload: Workload, requested: Optional[bool],
-             without_offload: bool = False) -> str:
-    """What would fit: checkpointing, more GPUs (for fsdp or zero3), or a smaller micro batch."""
-    ac, sharded = requested is not False, _sharded(workload)
-    ckpt = " with activation checkpointing on" if ac and requested is None else ""
-    if without_offload:
-        c = _min_gpus(model, cluster, workload, ac)
-        return (f"without offloading, {sharded} fits on {_gpus(c)}{ckpt}." if c else
-                "without offloading, no number of GPUs fits this micro batch and sequence length.")
-    if requested is False:
-        for layout in _layouts(cluster, workload):
-            r = estimate(model, dataclasses.replace(layout, activation_checkpointing=True))
-            if r.fits:
-                return (f"It would fit with activation checkpointing on ({r.name}, {gb(r.total_bytes)} per GPU): "
-                        f"pass --activation-checkpointing on or set model.activation_checkpointing=true.")
-    c = _min_gpus(model, cluster, workload, ac)
-    if c:
-        return f"Smallest that fits: {_gpus(c)} with {sharded}{ckpt.replace(' with', ' and')}."
-    if requested is False and (c := _min_gpus(model, cluster, workload, True)):
-        return (f"No number of GPUs fits without activation checkpointing; with it on "
-                f"(--activation-checkpointing on), {sharded} fits on {_gpus(c)}.")
-    huge = estimate(model, Layout(sharded, dataclasses.replace(cluster, nodes=1 << 14), workload,
-                                  activation_checkpointing=ac))
-    if huge.startup_host_fits is False:  # what no number of GPUs divides: one checkpoint tensor per rank
-        return (f"No number of GPUs helps: at start-up each node needs {gb(huge.startup_host_bytes_per_node)} "
-                f"of host RAM (loading a checkpoint reads one full fp32 tensor per rank), more than "
-                f"{gb(cluster.cpu_ram_bytes)}; give the node more RAM (--cpu-ram) or fewer ranks per node.")
-    return ("No number of GPUs helps: activations and gathered layers alone exceed the memory; "
-            "reduce --micro-batch or --seq-len.")

@@ -12,6 +12,9 @@ import re
 
 from zerodp.errors import UserError
 
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes of one element in the compute dtype of each train.precision."""
+
 _BYTE_UNITS = {
     "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

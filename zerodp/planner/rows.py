@@ -1,0 +1,102 @@
+"""The rows of the plan: which layouts, each one's estimate (its micro batch searched when a global batch is
+given), and the pick among them. Pure arithmetic, no torch (zerodp/planner/__init__.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from zerodp.planner.hardware import Cluster
+from zerodp.planner.memory import Layout, MemoryEstimate, Workload, estimate
+from zerodp.planner.models import ModelSpec
+
+# (strategy, offload_optimizer, offload_params, hybrid), in order of preference (simplest first).
+VARIANTS = (
+    ("ddp", False, False, False),
+    ("zero1", False, False, False),
+    ("zero2", False, False, False),
+    ("fsdp", False, False, False),   # before zero3: same memory (without accumulation), torch-native
+    ("zero3", False, False, False),
+    ("fsdp", False, False, True),    # several nodes only: shard within a node, replicate across (HSDP)
+    ("zero3", False, False, True),   # several nodes only: ZeRO++ (hpZ, int8 weights, int4 gradients)
+    ("zero2", True, False, False),
+    ("zero3", True, False, False),
+    ("fsdp", True, True, False),
+    ("zero3", True, True, False),
+)
+TIE = 0.03
+"""Rows predicted within this fraction of the fastest are ties, and the simpler one is chosen."""
+CLOSE = 0.005
+"""Micro batches within this fraction of a row's best tokens/s are ties; the largest is shown (the constant
+MFU does not capture that kernels run better on more tokens per micro batch)."""
+ORDER = "ddp < zero1 < zero2 < fsdp < zero3 < fsdp+hybrid < zero3+zero++"
+
+
+def offloads(r: MemoryEstimate) -> bool:
+    return r.offload_optimizer or r.offload_params
+
+
+def layouts(cluster: Cluster, workload: Workload) -> list[Layout]:
+    """The rows of the table, in order of preference; on one GPU 'ddp' is plain 'single'."""
+    out = []
+    for strategy, oo, op, hybrid in VARIANTS:
+        if oo and not cluster.gpu.cuda:
+            continue  # a CPU device has no faster memory to offload to
+        if hybrid and cluster.nodes == 1:
+            continue  # within one node there is nothing slower to avoid
+        if strategy == "ddp" and cluster.world_size == 1:
+            strategy = "single"
+        out.append(Layout(strategy, cluster, workload, oo, op, hybrid=hybrid))
+    return out
+
+
+def row(model: ModelSpec, base: Layout, requested: Optional[bool]) -> MemoryEstimate:
+    """The estimate for one variant: checkpointing as requested, or off unless only on fits."""
+    if requested is not None:
+        return estimate(model, dataclasses.replace(base, activation_checkpointing=requested))
+    off = estimate(model, base)
+    if off.fits or (off.total_bytes <= off.usable_bytes and off.cpu_fits is not False):
+        return off  # fits, or only its start-up peak does not: checkpointing shrinks activations alone
+    return estimate(model, dataclasses.replace(base, activation_checkpointing=True))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(model: ModelSpec, base: Layout, requested: Optional[bool],
+            global_batch: int) -> tuple[MemoryEstimate, list[MemoryEstimate]]:
+    """Every micro batch that divides the global batch per rank, with checkpointing off and on (or as
+    requested): (the one with the highest predicted tokens/s that fits, everything tried). When none
+    fits, the smallest: micro batch 1, checkpointing on unless it was requested off."""
+    per_rank = global_batch // base.cluster.world_size
+    tried = []
+    for b in divisors(per_rank):
+        w = dataclasses.replace(base.workload, micro_batch=b, grad_accum_steps=per_rank // b)
+        for ac in ((False, True) if requested is None else (requested,)):
+            tried.append(estimate(model, dataclasses.replace(base, workload=w, activation_checkpointing=ac)))
+    fitting = [e for e in tried if e.fits]
+    if not fitting:
+        smallest = requested is not False
+        return next(e for e in tried if e.micro_batch == 1 and e.activation_checkpointing == smallest), tried
+    return best(fitting), tried
+
+
+def best(fitting: list[MemoryEstimate]) -> MemoryEstimate:
+    """The highest predicted tokens/s; within CLOSE of it, checkpointing off and the largest micro batch."""
+    top = max(e.tokens_per_s_per_gpu for e in fitting)
+    close = [e for e in fitting if e.tokens_per_s_per_gpu >= top * (1 - CLOSE)]
+    return max(close, key=lambda e: (not e.activation_checkpointing, e.micro_batch))
+
+
+def pick(rows: list[MemoryEstimate], exact_only: bool = False) -> Optional[MemoryEstimate]:
+    """The fastest row that fits (offload rows only when nothing else does; with `exact_only` none that
+    changes the numerics), the simplest (first in `rows`) within TIE of it."""
+    fitting = [r for r in rows if r.fits and (r.exact or not exact_only)]
+    pool = [r for r in fitting if not offloads(r)] or fitting
+    if not pool:
+        return None
+    fastest = max(r.tokens_per_s_per_gpu for r in pool)
+    return next(r for r in pool if r.tokens_per_s_per_gpu * (1 + TIE) >= fastest)
+
+

@@ -36,7 +36,8 @@ HPZ = BASE + ["strategy.name=zero3", f"strategy.hpz_partition_size={NODE}", SHAR
 
 
 def cfg_of(*overrides: str):
-    return load_config(None, TINY + ["train.global_batch_size=8", *overrides])
+    """The tiny config under zero3 (the refusals of zero1/2 are asked of deepspeed_config's stage)."""
+    return load_config(None, TINY + ["train.global_batch_size=8", "strategy.name=zero3", *overrides])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -103,10 +104,11 @@ def test_zeropp_refusals(overrides, stage, world, node, match):
         deepspeed_config(cfg_of(*overrides), stage, 1, world, node)
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "single", "zero2"])
-def test_zeropp_under_another_named_strategy_is_refused_when_loading(name):
-    with pytest.raises(ConfigError, match=rf"^strategy\.hpz_partition_size=8: ZeRO\+\+ is DeepSpeed ZeRO-3's, not "
-                                          rf"{name}'s; set strategy\.name=zero3 or remove the setting$"):
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "single", "zero2", "auto"])
+def test_zeropp_under_another_strategy_is_refused_when_loading(name):
+    which = "strategy\\.name=auto never chooses it" if name == "auto" else f"not {name}'s"
+    with pytest.raises(ConfigError, match=rf"^strategy\.hpz_partition_size=8: ZeRO\+\+ is DeepSpeed ZeRO-3's, "
+                                          rf"{which}; set strategy\.name=zero3 or remove the setting$"):
         cfg_of(f"strategy.name={name}", "strategy.hpz_partition_size=8")
     with pytest.raises(ConfigError, match=r"^strategy\.hpz_partition_size=-1 must not be negative \(1 turns hpZ off, "
                                           r"0 takes the ranks of one node\)$"):

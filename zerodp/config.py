@@ -320,7 +320,7 @@ class Config:
         _non_negative("strategy.shard_group_size", s.shard_group_size)
         _non_negative("strategy.hpz_partition_size", s.hpz_partition_size,
                       hint="1 turns hpZ off, 0 takes the ranks of one node")
-        if s.name != "auto" and (refusal := zeropp_refusal(s, s.name)):
+        if refusal := zeropp_refusal(s, s.name):
             raise ConfigError(refusal)
         _non_negative("checkpoint.every", c.every)
         _positive("checkpoint.keep_last", c.keep_last)
@@ -339,11 +339,14 @@ def zeropp_settings(s: StrategyConfig) -> list[str]:
 
 def zeropp_refusal(s: StrategyConfig, name: str) -> str | None:
     """Why strategy `name` cannot run the ZeRO++ settings of `s` (DeepSpeed has them for ZeRO-3 only),
-    or None. `validate` asks for a named strategy, zero1/2 again for one that strategy: auto chose."""
+    or None. `validate` asks, and zerodp.strategies.zero again for its stage. auto is refused too: the
+    planner never chooses ZeRO++ (its quantisation changes the numerics), so the settings would be
+    ignored whenever it chose another strategy."""
     on = zeropp_settings(s)
     if not on or name == "zero3":
         return None
-    return (f"{', '.join(on)}: ZeRO++ is DeepSpeed ZeRO-3's, not {name}'s; set strategy.name=zero3 "
+    which = "strategy.name=auto never chooses it" if name == "auto" else f"not {name}'s"
+    return (f"{', '.join(on)}: ZeRO++ is DeepSpeed ZeRO-3's, {which}; set strategy.name=zero3 "
             f"or remove {'the settings' if len(on) > 1 else 'the setting'}")
 
 

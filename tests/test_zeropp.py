@@ -7,15 +7,17 @@ DeepSpeed's quantizer kernels, which its CPU accelerator lacks: refused here, me
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import TINY
-from tests.harness import run_distributed
+from tests.harness import ROOT, base_env, run_distributed
 from tests.reference import reference_run
-from tests.test_cli import one_line_error, zerodp
+from tests.test_cli import one_line_error
 from zerodp.config import ConfigError, load_config
 from zerodp.errors import UserError
 from zerodp.strategies import check_config
@@ -126,10 +128,14 @@ def test_quantized_communication_on_cpu_is_refused(key, monkeypatch):
 
 
 def test_dry_run_refuses_hpz_on_one_node_in_one_line(tmp_path):
-    """`zerodp train --dry-run` runs the same check as setup: one line on stderr, exit 2."""
-    r = zerodp("train", "configs/tiny.yaml", "--dry-run", *TINY, "strategy.name=zero3", "strategy.hpz_partition_size=2",
-               f"train.out_dir={tmp_path}")
-    one_line_error(r, "^zerodp: error: strategy\\.hpz_partition_size=2: " + ONE_NODE.format("this run has one rank") + "$")
+    """`zerodp train --dry-run` runs the same check as setup, with the launcher's variables of 4 ranks on
+    one node: one line on stderr, exit 2."""
+    env = dict(base_env(WORLD), LOCAL_WORLD_SIZE=str(WORLD))
+    r = subprocess.run([sys.executable, "-m", "zerodp", "train", "configs/tiny.yaml", "--dry-run", *BASE,
+                        "strategy.name=zero3", f"strategy.hpz_partition_size={NODE}", f"train.out_dir={tmp_path}"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    one_line_error(r, f"^zerodp: error: strategy\\.hpz_partition_size={NODE}: "
+                      + ONE_NODE.format(f"all {WORLD} ranks are on one node") + "$")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -328,7 +328,7 @@ class ZeroStrategy:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of the distinct storages this rank holds, found by walking the module's parameters
-        (their data, ZeRO-3 `ds_tensor` partitions and grads), every tensor attribute of DeepSpeed's
+        (their data, ZeRO-3 `ds_tensor` partitions, hpZ's secondary ones, and grads), every tensor attribute of DeepSpeed's
         ZeRO optimizer (named by `_kind`) and the AdamW state. A storage is counted once, under the
         first of params, optim, buckets, grads, buffers that reaches it: a gradient copied into a
         reduce bucket counts as the bucket, so 'grads' is the gradients themselves and 'buckets' is what
@@ -336,7 +336,8 @@ class ZeroStrategy:
         docs/strategies.md for what each key holds per stage)."""
         found: dict[str, list] = {"params": [], "optim": [], "buckets": [], "grads": [], "buffers": []}
         for p in self.module.parameters():
-            found["params"] += [p.data, getattr(p, "ds_tensor", None)]
+            # hpZ's secondary partition exists from a gather until the step after it drops it
+            found["params"] += [p.data, getattr(p, "ds_tensor", None), getattr(p, "ds_secondary_tensor", None)]
             found["grads"].append(p.grad)
         for attr, value in vars(self.model.optimizer).items():
             for t in _tensors(value):

@@ -206,6 +206,15 @@ class StrategyConfig:
     """Collective timeout: a rank that waits longer than this for its peers stops with an error."""
     deepspeed: dict = field(default_factory=dict)
     """Extra DeepSpeed config keys; they override the generated ones unless they contradict zerodp."""
+    hpz_partition_size: int = 1
+    """zero3, ZeRO++ hpZ (DeepSpeed's zero_hpz_partition_size): ranks holding a secondary copy of the
+    parameters, so that the all-gathers of backward stay inside a node; 1 = off, 0 = the ranks of one
+    node (LOCAL_WORLD_SIZE). Needs more than one node. See docs/strategies.md, "ZeRO++"."""
+    quantized_weights: bool = False
+    """zero3, ZeRO++ qwZ (DeepSpeed's zero_quantized_weights): all-gather the parameters in int8 (GPUs only)."""
+    quantized_gradients: bool = False
+    """zero3, ZeRO++ qgZ (DeepSpeed's zero_quantized_gradients): reduce-scatter the gradients in int4
+    through all-to-all (GPUs only)."""
 
 
 @dataclass
@@ -312,6 +321,10 @@ class Config:
         _positive("strategy.bucket_size_mb", s.bucket_size_mb)
         _positive("strategy.timeout_s", s.timeout_s)
         _non_negative("strategy.shard_group_size", s.shard_group_size)
+        _non_negative("strategy.hpz_partition_size", s.hpz_partition_size,
+                      hint="1 turns hpZ off, 0 takes the ranks of one node")
+        if refusal := zeropp_refusal(s, s.name):
+            raise ConfigError(refusal)
         _non_negative("checkpoint.every", c.every)
         _positive("checkpoint.keep_last", c.keep_last)
         return self
@@ -321,6 +334,25 @@ class Config:
         train.micro_batch_size=auto must be resolved first (zerodp.train.resolve_strategy)."""
         assert self.train.micro_batch_size != "auto", "resolve train.micro_batch_size=auto before splitting"
         return batch_split(self.train.global_batch_size, self.train.micro_batch_size, world_size)
+
+
+def zeropp_settings(s: StrategyConfig) -> list[str]:
+    """The ZeRO++ settings `s` turns on, as `strategy.key=value` (empty when none is)."""
+    on = [f"strategy.hpz_partition_size={s.hpz_partition_size}"] if s.hpz_partition_size != 1 else []
+    return on + [f"strategy.{key}=true" for key in ("quantized_weights", "quantized_gradients") if getattr(s, key)]
+
+
+def zeropp_refusal(s: StrategyConfig, name: str) -> str | None:
+    """Why strategy `name` cannot run the ZeRO++ settings of `s` (DeepSpeed has them for ZeRO-3 only),
+    or None. `validate` asks, and zerodp.strategies.zero again for its stage. auto is refused too: the
+    planner never chooses ZeRO++ (its quantisation changes the numerics), so the settings would be
+    ignored whenever it chose another strategy."""
+    on = zeropp_settings(s)
+    if not on or name == "zero3":
+        return None
+    which = "strategy.name=auto never chooses it" if name == "auto" else f"not {name}'s"
+    return (f"{', '.join(on)}: ZeRO++ is DeepSpeed ZeRO-3's, {which}; set strategy.name=zero3 "
+            f"or remove {'the settings' if len(on) > 1 else 'the setting'}")
 
 
 def batch_split(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:

@@ -126,7 +126,8 @@ def test_search_picks_the_micro_batch_with_the_most_tokens_per_s_that_fits():
     z3 = next(e for e in plan.estimates if e.name == "zero3")
     # (here with checkpointing: without it only micro batch 1 fits, and its 32 gathers cost more than recomputing)
     ac = z3.activation_checkpointing
-    assert z3.micro_batch == max(t.micro_batch for t in plan.search["zero3"] if t.fits and t.activation_checkpointing == ac)
+    same_ac = [t for t in plan.search["zero3"] if t.fits and t.activation_checkpointing == ac]
+    assert z3.micro_batch == max(t.micro_batch for t in same_ac)
     one = [t for t in plan.search["zero3"] if t.micro_batch == 1 and t.activation_checkpointing == ac][0]
     assert one.comm_bytes > 10 * z3.comm_bytes and one.step_s > 2 * z3.step_s  # 16 gathers per step, not 2
     # checkpointing on only where it buys a larger micro batch that is faster, or is needed
@@ -251,3 +252,26 @@ def test_auto_where_even_micro_batch_1_does_not_fit_says_what_would():
     resolved, plan = resolve_strategy(small, 2, torch.device("cpu"), 2)
     assert resolved.strategy.name == "ddp" and isinstance(resolved.train.micro_batch_size, int)
     assert resolved.train.global_batch_size % (2 * resolved.train.micro_batch_size) == 0
+
+
+def test_zeropp_settings_on_one_node_are_refused_by_the_planner():
+    with pytest.raises(UserError, match=r"^strategy.hpz_partition_size=8, strategy.quantized_weights=true: ZeRO\+\+ "
+                                        r"cuts the traffic between nodes, and this plan has one node; plan it with "
+                                        r"--nodes N \(N > 1\), or remove them$"):
+        plan_of("--config", "configs/gpt2-124m.yaml", "--gpus", "8", "strategy.name=zero3",
+                "strategy.hpz_partition_size=8", "strategy.quantized_weights=true")
+    two = plan_of("--config", "configs/gpt2-124m.yaml", "--gpus", "8", "--nodes", "2", "strategy.name=zero3",
+                  "strategy.hpz_partition_size=8", "train.micro_batch_size=auto")
+    assert "zero3+zero++" in {e.name for e in two.estimates}
+
+
+def test_a_config_with_some_of_zeropp_is_estimated_as_it_runs():
+    from zerodp.planner.training import estimate_for_run
+
+    cfg = load_config(ROOT / "configs/gpt2-124m.yaml", ["strategy.name=zero3", "strategy.hpz_partition_size=8",
+                                                      "train.global_batch_size=384"])
+    hpz = estimate_for_run(cfg, 16, 80 * GB, "NVIDIA H100 80GB HBM3", gpus_per_node=8)
+    plain = load_config(ROOT / "configs/gpt2-124m.yaml", ["strategy.name=zero3", "train.global_batch_size=384"])
+    flat = estimate_for_run(plain, 16, 80 * GB, "NVIDIA H100 80GB HBM3", gpus_per_node=8)
+    assert hpz.name == "zero3+hpz" and hpz.exact and hpz.secondary_bytes > 0
+    assert hpz.inter_node_bytes <= flat.inter_node_bytes and hpz.comm_bytes <= flat.comm_bytes

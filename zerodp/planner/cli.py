@@ -148,6 +148,11 @@ def build(args):
                       cpu_ram_bytes=cpu_ram, mfu=args.mfu)
 
     global_batch = args.global_batch
+    if cfg is not None and cluster.nodes == 1:
+        from zerodp.config import zeropp_settings
+        if on := zeropp_settings(cfg.strategy):
+            raise UserError(f"{', '.join(on)}: ZeRO++ cuts the traffic between nodes, and this plan has one node; "
+                            f"plan it with --nodes N (N > 1), or remove {'them' if len(on) > 1 else 'it'}")
     if cfg is not None:
         from zerodp.planner.training import workload_from_config
         if cfg.train.micro_batch_size == "auto":

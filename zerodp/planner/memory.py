@@ -69,13 +69,28 @@ class Layout:
     """Across nodes: fsdp shards within a node and replicates across nodes (HSDP, strategy.hybrid_shard);
     zero3 runs with ZeRO++ (hpZ secondary partition within the node, int8 weight all-gather, int4
     gradient reduction: strategy.hpz_partition_size, quantized_weights, quantized_gradients)."""
+    hpz: bool = False
+    """zero3 with only some of ZeRO++ (a training config's own settings): hpZ's secondary partition..."""
+    qwz: bool = False
+    """...the int8 weight all-gather..."""
+    qgz: bool = False
+    """...the int4 gradient reduction."""
+
+    @property
+    def zeropp(self) -> tuple[bool, bool, bool]:
+        """(hpZ, qwZ, qgZ) as this row runs them: all three for the zero3+zero++ row."""
+        if self.strategy != "zero3":
+            return False, False, False
+        return self.hpz or self.hybrid, self.qwz or self.hybrid, self.qgz or self.hybrid
 
     @property
     def name(self) -> str:
         """The row name: 'zero2', 'zero3+offload_optimizer+offload_params', 'fsdp+offload', 'fsdp+hybrid',
-        'zero3+zero++'."""
+        'zero3+zero++' (or 'zero3+hpz+qwz' for some of it)."""
         if self.hybrid:
             return "fsdp+hybrid" if self.strategy == "fsdp" else "zero3+zero++"
+        if any(self.zeropp):
+            return "+".join(["zero3"] + [k for k, on in zip(("hpz", "qwz", "qgz"), self.zeropp) if on])
         if self.strategy == "fsdp" and (self.offload_optimizer or self.offload_params):
             return "fsdp+offload"  # FSDP's CPUOffloadPolicy moves parameters, gradients and optimizer
         parts = [self.strategy]
@@ -276,7 +291,8 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     if hsdp:
         n = c.gpus_per_node
     params_b, grads_b, optim_b, master_b = engine_states(P, n, layout.strategy, w.precision)
-    secondary = cb * math.ceil(P / c.gpus_per_node) if layout.hybrid and layout.strategy == "zero3" else 0
+    hpz, qwz, qgz = layout.zeropp
+    secondary = cb * math.ceil(P / c.gpus_per_node) if hpz else 0
 
     offloaded = 0
     if layout.strategy == "fsdp" and (layout.offload_optimizer or layout.offload_params):
@@ -344,7 +360,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         comm_bytes=int(sum(x.sent for x in parts)),
         inter_node_bytes=int(sum(inter_node_sent(x, c) for x in parts)),
         micro_batch=w.micro_batch, grad_accum_steps=w.grad_accum_steps,
-        exact=not (layout.hybrid and layout.strategy == "zero3"),
+        exact=not (qwz or qgz),
         compute_s=compute_s, comm_s=overlap_s + waited_s,
         exposed_comm_s=exposed_s, offload_s=offload_s, step_s=step_s,
         scaling_efficiency=compute_s / step_s, tokens_per_s_per_gpu=tokens / step_s,

@@ -70,7 +70,8 @@ def _ties(plan: Plan, chosen: MemoryEstimate) -> bool:
 def _micro_sentence(plan: Plan, chosen: MemoryEstimate) -> str:
     """Why this micro batch and checkpointing setting, from the search of the chosen row."""
     tried = plan.search.get(chosen.name, [])
-    fit = sorted({e.micro_batch for e in tried if e.fits and e.activation_checkpointing == chosen.activation_checkpointing})
+    ac = chosen.activation_checkpointing
+    fit = sorted({e.micro_batch for e in tried if e.fits and e.activation_checkpointing == ac})
     listed = ", ".join(map(str, fit)) if len(fit) <= 6 else f"{len(fit)} of them, {fit[0]} to {fit[-1]}"
     head = (f"Micro batch {chosen.micro_batch} of the divisors of {plan.global_batch // plan.cluster.world_size} "
             f"sequences per GPU (global batch {plan.global_batch}): ")

@@ -58,23 +58,23 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
         persistent, gathered, regathered = _zero3_elements(model, n, w.zero3_persistence_threshold,
                                                            w.zero3_keep_window)
         after_step = Collective("all-gather persistent parameters", "all", ring(n) * cb * persistent, False)
-        if not layout.hybrid:
-            return [Collective("all-gather parameters (forward, backward)", "all",
-                               ring(n) * cb * acc * (gathered + regathered), True),
-                    Collective("reduce-scatter gradients", "all", ring(n) * cb * acc * (persistent + gathered),
-                               True), after_step]
-        # ZeRO++: the forward all-gather in int8 (qwZ; one fp32 scale per 2048 elements), the backward
-        # one from the secondary partition within the node (hpZ), gradients quantised to int4 and
-        # reduced by an all-to-all within the node and then one across the nodes on 1/g of them (qgZ)
-        int8 = 1 + 4 / 2048
-        return [Collective("all-gather int8 parameters (forward)", "all",
-                           ring(n) * int8 * acc * gathered, True),
-                Collective("all-gather parameters within the node (backward, hpZ)", "node",
-                           ring(g) * cb * acc * regathered, True),
-                Collective("all-to-all int4 gradients within the node", "node",
-                           ring(g) * 0.5 * acc * (persistent + gathered), True),
-                Collective("all-to-all int4 gradients across nodes", "replicas",
-                           ring(c.nodes) * 0.5 * acc * (persistent + gathered) / g, True), after_step]
+        hpz, qwz, qgz = layout.zeropp
+        # ZeRO++: the forward all-gather in int8 (qwZ; one fp32 scale per 2048 elements), the backward one
+        # from the secondary partition within the node (hpZ), gradients quantised to int4 and reduced by an
+        # all-to-all within the node and then one across the nodes on 1/g of them (qgZ)
+        weights = (1 + 4 / 2048) if qwz else cb
+        out = [Collective("all-gather parameters (forward)", "all", ring(n) * weights * acc * gathered, True),
+               Collective("all-gather parameters (backward)" + (" within the node, hpZ" if hpz else ""),
+                          "node" if hpz else "all", ring(g if hpz else n) * cb * acc * regathered, True)]
+        if qgz:
+            out += [Collective("all-to-all int4 gradients within the node", "node",
+                               ring(g) * 0.5 * acc * (persistent + gathered), True),
+                    Collective("all-to-all int4 gradients across nodes", "replicas",
+                               ring(c.nodes) * 0.5 * acc * (persistent + gathered) / g, True)]
+        else:
+            out.append(Collective("reduce-scatter gradients", "all",
+                                  ring(n) * cb * acc * (persistent + gathered), True))
+        return out + [after_step]
     # fsdp: every micro batch all-gathers each unit in forward (compute dtype) and, where resharded after
     # forward (the blocks; the root unit stays gathered), again in backward; reduce-scatters fp32 gradients
     # every micro batch (once per step with fsdp_defer_grad_reduce). Hybrid: the same within the node

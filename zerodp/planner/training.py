@@ -85,8 +85,10 @@ def _layout(cfg, cluster: Cluster, workload: Workload, strategy: Optional[str] =
     s, strategy = cfg.strategy, strategy or cfg.strategy.name
     name = "single" if strategy == "ddp" and cluster.world_size == 1 else strategy
     hybrid = cluster.nodes > 1 and strategy == "fsdp" and s.hybrid_shard
+    zero3 = strategy == "zero3"  # ZeRO++ as the config sets it (its hpZ group taken as one node)
     return Layout(name, cluster, workload, s.offload_optimizer, s.offload_params,
-                  cfg.model.activation_checkpointing, hybrid=hybrid)
+                  cfg.model.activation_checkpointing, hybrid=hybrid, hpz=zero3 and s.hpz_partition_size != 1,
+                  qwz=zero3 and s.quantized_weights, qgz=zero3 and s.quantized_gradients)
 
 
 def _cluster(world_size: int, device_memory_bytes: int, device_name: str,

@@ -177,15 +177,18 @@ def hpz_worker(runs: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def hpz_run(tmp_path_factory):
-    """8 steps of hpZ; 4 steps with a checkpoint; that checkpoint resumed to 8 under ddp (a copy) and
-    under hpZ. The launcher's LOCAL_WORLD_SIZE=2 makes 2 nodes of the 4 local ranks."""
+    """STEPS steps of hpZ; half of them with a checkpoint; that checkpoint resumed to STEPS under ddp (a
+    copy) and under hpZ; one step of plain zero3. The launcher's LOCAL_WORLD_SIZE=2 makes 2 nodes of the
+    4 local ranks."""
     tmp = tmp_path_factory.mktemp("hpz")
     runs = [
         {"overrides": HPZ + [f"train.max_steps={STEPS}", f"train.out_dir={tmp / 'full'}"]},
         {"overrides": HPZ + [f"train.max_steps={STEPS // 2}", f"train.out_dir={tmp / 'part'}"]},
         {"overrides": BASE + ["strategy.name=ddp", f"train.max_steps={STEPS}", f"train.out_dir={tmp / 'ddp'}"],
          "copy": str(tmp / "part"), "fresh": False},
-        {"overrides": HPZ + [f"train.max_steps={STEPS}", f"train.out_dir={tmp / 'part'}"], "fresh": False},
+        # hpz_partition_size=0: the launcher's LOCAL_WORLD_SIZE
+        {"overrides": HPZ + ["strategy.hpz_partition_size=0", f"train.max_steps={STEPS}", f"train.out_dir={tmp / 'part'}"],
+         "fresh": False},
         # plain zero3 after hpZ in the same process: DeepSpeed's hpZ group must not carry over
         {"overrides": BASE + ["strategy.name=zero3", SHARD_ALL, "train.max_steps=1", f"train.out_dir={tmp / 'plain'}"]},
     ]
@@ -218,6 +221,7 @@ def test_hpz_gathers_read_a_secondary_copy_split_over_one_node(hpz_run):
         # every parameter, again after every step (DeepSpeed drops the copy when the weights change)
         assert built >= STEPS * len(rank["results"][0]["weights"]) and groups == [NODE], rank["secondary"]
     assert ranks[0]["secondary"][2] == (0, [])  # the ddp run has none
+    assert ranks[0]["secondary"][3][1] == [NODE]  # hpz_partition_size=0: the node the launcher names
     assert ranks[0]["secondary"][4] == (0, [])  # nor zero3 without hpZ, run after hpZ in the same process
 
 

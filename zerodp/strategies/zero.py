@@ -8,7 +8,7 @@ learning-rate schedule (no DeepSpeed scheduler) and DeepSpeed clips, scales the 
 The DeepSpeed config is generated from zerodp's own config by the pure `deepspeed_config`; extra keys
 under `strategy.deepspeed` deep-merge over it, and a key that contradicts a zerodp setting is refused.
 ZeRO++ (zero3 only: hpZ, qwZ, qgZ) comes from `strategy.hpz_partition_size`, `quantized_weights` and
-`quantized_gradients`, checked here against the world and the node it runs on.
+`quantized_gradients`, checked against the world and the node it runs on (zerodp/strategies/zeropp.py).
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zerodp.config import Config, StrategyConfig, zeropp_refusal
-from zerodp.dist import LOCAL_WORLD_VARS
+from zerodp.config import Config
 from zerodp.errors import UserError
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import FullState, optimizer_state_tensors, set_lr, tensor_bytes
+from zerodp.strategies.zeropp import (check_quantizer, drop_secondary_partitions, hpz_group, hpz_partition_size,
+                                      ranks_per_node)
 
 TAG = "deepspeed"
 """Checkpoint sub-folder: DeepSpeed writes `<ckpt_dir>/deepspeed/*.pt` (no `latest` file)."""
@@ -131,69 +132,6 @@ def deepspeed_config(cfg: Config, stage: int, grad_accum_steps: int, world_size:
     return _merge(generated, extra)
 
 
-def hpz_partition_size(s: StrategyConfig, stage: int, world_size: int, ranks_per_node: int | None) -> int:
-    """DeepSpeed's zero_hpz_partition_size for `s` (0 resolved to `ranks_per_node`), after refusing the
-    ZeRO++ settings that cannot help: any of them under zero1/2, an hpZ group that does not divide the
-    world or spans all of it, hpZ or qgZ on one node (`ranks_per_node` None: not known, not checked)."""
-    if refusal := zeropp_refusal(s, f"zero{stage}"):
-        raise UserError(refusal)
-    one_node = world_size == 1 or (ranks_per_node is not None and ranks_per_node >= world_size)
-    where = "this run has one rank" if world_size == 1 else f"all {world_size} ranks are on one node"
-    if s.quantized_gradients and one_node:
-        raise UserError(f"strategy.quantized_gradients=true: qgZ quantizes only the gradient reduction between nodes, "
-                        f"and {where}: DeepSpeed would reduce-scatter them unquantized; remove "
-                        f"strategy.quantized_gradients, or use it on more than one node")
-    size = s.hpz_partition_size
-    if size == 1:
-        return 1
-    if one_node or size == world_size:
-        why = where if one_node else f"its group of {size} ranks is the whole world"
-        raise UserError(f"strategy.hpz_partition_size={size}: hpZ needs more than one node: {why}, and on one node "
-                        f"every rank already gathers over the fast link; remove strategy.hpz_partition_size (or set "
-                        f"it to 1), or set it to the ranks per node of a multi-node run")
-    if size == 0:
-        if ranks_per_node is None:
-            raise UserError(f"strategy.hpz_partition_size=0 means the ranks of one node, and the launcher does not say "
-                            f"how many that is ({' or '.join(LOCAL_WORLD_VARS)} unset); set "
-                            f"strategy.hpz_partition_size to the ranks per node")
-        size = ranks_per_node
-    if world_size % size:
-        raise UserError(f"strategy.hpz_partition_size={size} does not divide the world size {world_size}; set it to "
-                        f"the ranks per node (a divisor of {world_size}), or 0 for the launcher's LOCAL_WORLD_SIZE")
-    return size
-
-
-def ranks_per_node(fallback: int | None = None) -> int | None:
-    """The ranks of one node as the launcher tells them (LOCAL_WORLD_SIZE, LOCAL_SIZE, ...), which
-    `--dry-run` sees too; else `fallback` (setup: the ranks sharing this rank's host name)."""
-    for var in LOCAL_WORLD_VARS:
-        if os.environ.get(var, "").strip():
-            try:
-                return int(os.environ[var])
-            except ValueError:
-                raise UserError(f"{var}={os.environ[var]!r} is not a number of ranks per node; unset it or fix "
-                                f"the launcher") from None
-    return fallback
-
-
-def _check_quantizer(s: StrategyConfig) -> None:
-    """qwZ and qgZ run on DeepSpeed's quantizer kernels (QuantizerBuilder), which only its GPU
-    accelerators build: DeepSpeed 0.19's CPU accelerator gives a NotImplementedBuilder whose load()
-    raises "This op had not been implemented on CPU backend" (qwZ in zero.Init, qgZ at the first
-    gradient reduction). Refused before either starts."""
-    wanted = [key for key in ("quantized_weights", "quantized_gradients") if getattr(s, key)]
-    if not wanted:
-        return
-    from deepspeed.accelerator import get_accelerator
-
-    accel = get_accelerator()
-    builder = accel.get_op_builder("QuantizerBuilder")
-    if builder is None or builder.__name__ == "NotImplementedBuilder":
-        raise UserError(f"strategy.{wanted[0]}=true: DeepSpeed's {accel.device_name()} accelerator has no quantizer "
-                        f"kernels (QuantizerBuilder), which ZeRO++'s quantized communication runs on; set "
-                        f"strategy.{wanted[0]}=false here, or run zero3 on GPUs")
-
-
 def _lookup(d: dict, path: tuple) -> tuple[bool, object]:
     for k in path:
         if not isinstance(d, dict) or k not in d:
@@ -225,7 +163,7 @@ class ZeroStrategy:
         """What setup would refuse (a strategy.deepspeed key contradicting zerodp, offload without
         zero3, ZeRO++ that cannot run or help here), checked without a process group: `zerodp train --dry-run`."""
         deepspeed_config(cfg, self.stage, grad_accum_steps, world_size, ranks_per_node())
-        _check_quantizer(cfg.strategy)
+        check_quantizer(cfg.strategy)
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         import deepspeed
@@ -235,7 +173,7 @@ class ZeroStrategy:
         self.ctx = ctx
         config = deepspeed_config(ctx.cfg, self.stage, ctx.grad_accum_steps, ctx.world_size,
                                   ranks_per_node(ctx.local_world_size))
-        _check_quantizer(ctx.cfg.strategy)
+        check_quantizer(ctx.cfg.strategy)
         accel = get_accelerator()
         if ctx.cfg.train.precision == "fp16" and not accel.is_fp16_supported():
             raise UserError(f"train.precision=fp16: DeepSpeed's {accel.device_name()} accelerator has no fp16 "
@@ -262,7 +200,7 @@ class ZeroStrategy:
             deepspeed.init_distributed()  # wraps the process group zerodp made (zero.Init needs it)
             # mem_efficient_linear=False: otherwise DeepSpeed replaces torch.nn.functional.linear for the
             # whole process, for good; the modules compute as they do under every other strategy.
-            hpz = _hpz_group(config["zero_optimization"]["zero_hpz_partition_size"])
+            hpz = hpz_group(config["zero_optimization"]["zero_hpz_partition_size"])
             with deepspeed.zero.Init(config_dict_or_path=config, mem_efficient_linear=False,
                                      zero_param_parallel_group=hpz):
                 return construct(model.cfg)
@@ -286,7 +224,7 @@ class ZeroStrategy:
                 _copy_range(zero_opt._get_fp32_opt_state_partition(p, False)[0], values)
             else:
                 safe_set_full_fp32_param(p, model.initial_values(name, seed).view(p.shape))
-        _drop_secondary_partitions(zero_opt)
+        drop_secondary_partitions(zero_opt)
 
     def _optimizer(self, model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
         """AdamW over zerodp's param groups; DeepSpeedCPUAdam (the same AdamW, vectorised on the CPU)
@@ -421,7 +359,7 @@ class ZeroStrategy:
                                     value.flatten()[start:stop])
                     else:
                         safe_set_full_optimizer_state(p, value, kind)
-        _drop_secondary_partitions(zero_opt)
+        drop_secondary_partitions(zero_opt)
         self._skipped_steps = _skipped_steps(state.source) if state.with_optimizer else 0
 
     def resume_at(self, step: int) -> None:
@@ -489,33 +427,6 @@ def _skipped_steps(source) -> int:
 def _adam_step(optimizer: torch.optim.Optimizer, step: float):
     """torch's AdamW keeps the step as a float tensor, DeepSpeedCPUAdam as an int."""
     return torch.tensor(step, dtype=torch.float32) if isinstance(optimizer, torch.optim.AdamW) else int(step)
-
-
-def _hpz_group(size: int):
-    """The process group hpZ splits each secondary partition over: `size` consecutive ranks (one node
-    under torchrun's rank order), None without hpZ. DeepSpeed keeps one such group per process (a
-    global of deepspeed.utils.groups), made by the first zero.Init that asks for it; a second zero.Init
-    asking again fails an assert, and every later ZeRO-3 engine takes the group up, hpZ or not. So it
-    is set here for each engine: cleared without hpZ, reused at the same size, made anew otherwise."""
-    from deepspeed.utils import groups
-
-    current = groups._get_zero_param_intra_parallel_group()
-    if size > 1 and current is not None and torch.distributed.get_world_size(current) == size:
-        return current
-    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-    if size == 1:
-        return None
-    groups._create_zero_param_parallel_group(size)  # collective: every rank makes every group
-    return groups._get_zero_param_intra_parallel_group()
-
-
-def _drop_secondary_partitions(zero_opt) -> None:
-    """hpZ (zero_hpz_partition_size > 1) keeps a second copy of each ZeRO-3 partition, split over the
-    ranks of one node, built from the parameter when it was first partitioned; the next forward gathers
-    from it. After zerodp wrote the primary partitions (`ds_tensor`) that copy is stale: dropped here,
-    as DeepSpeed itself drops it after every step, it is rebuilt from the new values at the next gather."""
-    if hasattr(zero_opt, "invalidate_secondary_tensor"):  # ZeRO-3's optimizer; ZeRO-1/2 keep no copy
-        zero_opt.invalidate_secondary_tensor()
 
 
 def _partition_range(p: torch.Tensor, rank: int) -> tuple[int, int]:

@@ -59,7 +59,8 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
                                                            w.zero3_keep_window)
         after_step = Collective("all-gather persistent parameters", "all", ring(n) * cb * persistent, False)
         hpz, qwz, qgz = layout.zeropp
-        # ZeRO++: the forward all-gather in int8 (qwZ; one fp32 scale per 2048 elements), the backward one
+        # ZeRO++: the forward all-gather in int8 (qwZ; one fp32 scale per block, counted per 2048 elements: an
+        # upper bound, DeepSpeed 0.19 quantises blocks of up to ~8k), the backward one
         # from the secondary partition within the node (hpZ), gradients quantised to int4 and reduced by an
         # all-to-all within the node and then one across the nodes on 1/g of them (qgZ)
         weights = (1 + 4 / 2048) if qwz else cb

@@ -135,9 +135,9 @@ def _slower_because(r: MemoryEstimate, chosen: MemoryEstimate) -> str:
                       if r.activation_checkpointing and not chosen.activation_checkpointing
                       else f"{seconds(r.compute_s)} of compute vs {seconds(chosen.compute_s)}")
     if r.exposed_comm_s > chosen.exposed_comm_s:
-        inter = f", {gb(r.inter_node_bytes)} across nodes per node" if r.inter_node_bytes else ""
-        causes.append(f"{seconds(r.exposed_comm_s)} of communication not hidden behind compute "
-                      f"vs {seconds(chosen.exposed_comm_s)} (it sends {gb(r.comm_bytes)} per GPU{inter})")
+        inter = f", {gb(r.inter_node_bytes)} of it across nodes per node" if r.inter_node_bytes else ""
+        causes.append(f"{seconds(r.exposed_comm_s)} of communication is not hidden behind compute "
+                      f"(vs {seconds(chosen.exposed_comm_s)}; it sends {gb(r.comm_bytes)} per GPU per step{inter})")
     return "; ".join(causes) or "its predicted step is longer"
 
 
@@ -175,7 +175,7 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], plan: Plan) ->
     ratio = chosen.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu
     if ratio > 1 + TIE:
         how = f"{ratio - 1:.0%} slower" if ratio < 2 else f"{ratio:.1f}x as long"
-        return f"{fits}, but slower: {speed} ({how}: {_slower_because(r, chosen)})."
+        return f"{fits}, but slower: {speed}, {how}: {_slower_because(r, chosen)}."
     if ratio < 1:
         return (f"{fits}, {speed}: {1 / ratio - 1:.1%} faster, within {TIE:.0%}, so the simpler {chosen.name} "
                 f"is kept ({ORDER}).")

@@ -43,3 +43,68 @@ def test_a_read_error_reaches_the_writer(tmp_path):
             assert all(torch.equal(t, torch.full((1000,), float(i))) for i, t in enumerate(got))
             with pytest.raises(CheckpointError, match="truncated"):
                 ahead.get(names[10])
+
+
+def manifest_folder(path, sizes=(3_000_000, 2_000_000, 10)):
+    """A folder whose meta.json lists its files' sizes and sha256, as a zerodp checkpoint's does."""
+    import hashlib
+    import json
+    import os
+
+    path.mkdir()
+    files = {}
+    for i, n in enumerate(sizes):
+        data = os.urandom(n)
+        (path / f"f{i}.bin").write_bytes(data)
+        files[f"f{i}.bin"] = {"bytes": n, "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "meta.json").write_text(json.dumps({"files": files}))
+    return path
+
+
+def test_background_hashing_passes_an_intact_folder_and_names_a_corrupted_file(tmp_path):
+    from zerodp.manifest import BackgroundVerify
+
+    ok = manifest_folder(tmp_path / "ok")
+    assert BackgroundVerify(ok).result() is None
+    bad = manifest_folder(tmp_path / "bad")
+    with open(bad / "f1.bin", "r+b") as f:  # one byte flipped: same size, another hash
+        f.seek(1234)
+        byte = f.read(1)
+        f.seek(1234)
+        f.write(bytes([byte[0] ^ 1]))
+    assert BackgroundVerify(bad, threads=2).result() == f"{bad / 'f1.bin'} fails its sha256 check (corrupted)"
+    (bad / "f2.bin").write_bytes(b"short")  # sizes are checked at once, before any hashing
+    assert "f2.bin has 5 bytes" in BackgroundVerify(bad).problem
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_background_hashing_stopped_or_failed_never_passes(tmp_path, monkeypatch):
+    from zerodp import manifest
+
+    folder = manifest_folder(tmp_path / "c")
+
+    def endless(path, stop=None):  # hashes until told to stop
+        stop.wait()
+        return ""
+    monkeypatch.setattr(manifest, "sha256_file", endless)
+    check = manifest.BackgroundVerify(folder)
+    check.cancel()
+    assert "stopped before it finished" in check.result()
+
+    def broken(path, stop=None):
+        raise MemoryError  # a hashing thread that dies without a verdict
+    monkeypatch.setattr(manifest, "sha256_file", broken)
+    assert "did not finish" in manifest.BackgroundVerify(folder).result()
+
+
+def test_the_command_checks_its_destination_and_starts_hashing_before_importing_torch():
+    import subprocess
+    import sys
+
+    from tests.harness import ROOT
+
+    code = ("import sys, zerodp.convert.cli, zerodp.convert.destination, zerodp.manifest; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+

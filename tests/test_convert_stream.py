@@ -108,3 +108,29 @@ def test_the_command_checks_its_destination_and_starts_hashing_before_importing_
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
+
+def test_pages_given_back_are_the_file_mappings_only_and_read_again_unchanged(tmp_path):
+    """DeepSpeed rank files are read through mmap; each piece's pages are given back once copied
+    (madvise), without re-opening the file. Memory not mapped from the file is never touched."""
+    from zerodp.convert.deepspeed_ckpt import drop_pages, file_mappings
+
+    def resident_kb(path) -> int:  # this process's resident memory mapped from `path`
+        total, inside = 0, False
+        for line in open("/proc/self/smaps"):
+            if "-" in line.split()[0]:
+                inside = line.rstrip().endswith(str(path.resolve()))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+        return total
+
+    want = torch.arange(4 << 20, dtype=torch.float32)  # 16 MiB
+    torch.save({"flat": want}, tmp_path / "rank.pt")
+    flat = torch.load(tmp_path / "rank.pt", mmap=True, weights_only=True)["flat"]
+    mapped = file_mappings(tmp_path / "rank.pt")
+    assert mapped and float(flat.sum()) == float(want.sum())  # every page read
+    assert resident_kb(tmp_path / "rank.pt") > 15_000
+    assert drop_pages(flat.narrow(0, 1000, (4 << 20) - 2000), mapped)
+    assert resident_kb(tmp_path / "rank.pt") < 64  # the edge pages at most
+    assert torch.equal(flat, want)  # pages read again from the file, as they were
+    anonymous = torch.ones(4 << 20)
+    assert not drop_pages(anonymous, mapped) and bool((anonymous == 1).all())

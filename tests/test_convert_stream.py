@@ -134,3 +134,17 @@ def test_pages_given_back_are_the_file_mappings_only_and_read_again_unchanged(tm
     assert torch.equal(flat, want)  # pages read again from the file, as they were
     anonymous = torch.ones(4 << 20)
     assert not drop_pages(anonymous, mapped) and bool((anonymous == 1).all())
+
+
+def test_a_finished_output_file_is_flushed_to_disk_in_the_background(tmp_path, monkeypatch):
+    import os
+
+    from zerodp.convert import source
+
+    synced, real = [], os.fsync
+    monkeypatch.setattr(source.os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real(fd))
+    (tmp_path / "done.safetensors").write_bytes(b"x" * 100)
+    source.flush_soon(tmp_path / "done.safetensors").join()
+    source.flush_soon(tmp_path / "gone.safetensors").join()  # removed meanwhile: left to the final fsync
+    assert synced == [str((tmp_path / "done.safetensors").resolve())]
+

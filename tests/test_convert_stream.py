@@ -148,3 +148,39 @@ def test_a_finished_output_file_is_flushed_to_disk_in_the_background(tmp_path, m
     source.flush_soon(tmp_path / "gone.safetensors").join()  # removed meanwhile: left to the final fsync
     assert synced == [str((tmp_path / "done.safetensors").resolve())]
 
+
+def test_hf_layout_is_made_in_the_reading_thread_and_an_hf_source_is_not_transposed_twice(tmp_path, monkeypatch):
+    import dataclasses
+    import threading
+
+    from safetensors.torch import load_file, save_file
+
+    from zerodp.config import ModelConfig
+    from zerodp.convert import stream, write_hf
+    from zerodp.models.arch import arch_of
+
+    cfg = ModelConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=64, block_size=16)
+    torch.manual_seed(0)
+    weights = {n: torch.randn(s) for n, s in arch_of(cfg).param_shapes().items()}
+    save_file(weights, tmp_path / "model.safetensors", metadata={"zerodp.layout": "zerodp"})
+    where, real = set(), stream.ReadAhead.__init__
+
+    def watched(self, *args, **kwargs):  # where each tensor is prepared, and whether it leaves contiguous
+        real(self, *args, **kwargs)
+        prepare = self.prepare
+
+        def noted(i, t):
+            out = prepare(i, t)
+            where.add((threading.current_thread().name, out.is_contiguous()))
+            return out
+        self.prepare = noted
+    monkeypatch.setattr(stream.ReadAhead, "__init__", watched)
+    write_hf(open_checkpoint(tmp_path / "model.safetensors"), tmp_path / "hf", model=dataclasses.asdict(cfg),
+             progress=False)
+    assert where == {("zerodp-read-ahead", True)}  # the writer writes its memory as it is, no copy
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(hf["transformer.h.0.attn.c_attn.weight"], weights["transformer.h.0.attn.c_attn.weight"].t())
+    write_hf(open_checkpoint(tmp_path / "hf"), tmp_path / "again", progress=False, dtype="bf16")
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert again.keys() == hf.keys() and all(torch.equal(again[k], hf[k].bfloat16()) for k in hf)
+

@@ -132,10 +132,16 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
 
     order = [(n, "param") for shard in shards.values() for n in shard]
     total = sum(i.nbytes for i in infos.values())
-    with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, read_ahead(source, order, window) as src:
+
+    def cast(index: int, t: torch.Tensor) -> torch.Tensor:  # in the reading thread (zerodp.convert.stream)
+        want = infos[order[index][0]].dtype
+        return t.to(want) if t.dtype != want else t
+
+    sizes = [infos[n].nbytes for n, _ in order]
+    with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, \
+            read_ahead(source, order, window, cast, sizes) as src:
         def fetch(n: str) -> torch.Tensor:
-            t = src.get(n)
-            return t.to(infos[n].dtype) if t.dtype != infos[n].dtype else t
+            return src.get(n)
 
         files = _write_shards(out, shards, infos, fetch, metadata, bar)
     return [dst / name for name in files]
@@ -154,7 +160,7 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     `write_safetensors`; config.json's torch_dtype names the embedding's."""
     from zerodp.config import ModelConfig
     from zerodp.models.arch import arch_of
-    from zerodp.models.hf import hf_config_from_model, to_hf, transposed
+    from zerodp.models.hf import TRANSPOSE, hf_config_from_model, to_hf, transposed
     from zerodp.convert.full_state import FullState
 
     dst = Path(dst)
@@ -189,16 +195,32 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
             {n: hashlib.sha256(d).hexdigest() for n, d in tokenizer_files.items()}, sort_keys=True)
     config.update(_special_ids(source, bool(tokenizer_files)))
 
-    def fetch(hf_name: str) -> torch.Tensor:
+    hf_order = [h for shard in shards.values() for h in shard]
+    stored_of = {h: state.stored_name(back[h][0]) for h in hf_order}
+    order = [(stored_of[h], "param") for h in hf_order]
+
+    def to_hf_layout(index: int, t: torch.Tensor) -> torch.Tensor:  # in the reading thread (zerodp.convert.stream)
+        hf_name = hf_order[index]
         name, shape, transform = back[hf_name]
-        t = state.get(name, "param", shape)
-        if transform:
-            t = t.t().contiguous()  # nn.Linear (out, in) -> HF's Conv1D (in, out)
-        return t.to(infos[hf_name].dtype)
+        # nn.Linear (out, in) <-> HF's Conv1D (in, out): transposed once if exactly one of the source's
+        # layout and HF's differs from the model's (an HF source written back as HF is not transposed twice)
+        if state.stored_transposed(name) != (transform == TRANSPOSE):
+            t = t.t()
+        want = infos[hf_name]
+        if tuple(t.shape) != want.shape:  # state.mismatch compared the headers; this is the data
+            raise CheckpointError(f"{source.path}: {name} has shape {tuple(t.shape)} there but {want.shape} "
+                                  f"in the output; set the model section to the checkpoint's dimensions")
+        if t.dtype == want.dtype:
+            return t.contiguous()  # (`to` would hand a transposed view back as it is)
+        return t.to(want.dtype, memory_format=torch.contiguous_format)  # one pass: cast and layout
 
     total = sum(i.nbytes for i in infos.values())
-    order = [(state.stored_name(back[h][0]), "param") for shard in shards.values() for h in shard]
-    with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, state.reading_ahead(order, window):
+    sizes = [infos[h].nbytes for h in hf_order]
+    with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, \
+            read_ahead(source, order, window, to_hf_layout, sizes) as src:
+        def fetch(hf_name: str) -> torch.Tensor:
+            return src.get(stored_of[hf_name])
+
         (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         files = [HF_CONFIG, *_write_shards(out, shards, infos, fetch, metadata, bar)]
         for name, data in tokenizer_files.items():

@@ -4,6 +4,8 @@ error reaches the writer's thread."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -184,3 +186,25 @@ def test_hf_layout_is_made_in_the_reading_thread_and_an_hf_source_is_not_transpo
     again = load_file(tmp_path / "again" / "model.safetensors")
     assert again.keys() == hf.keys() and all(torch.equal(again[k], hf[k].bfloat16()) for k in hf)
 
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_dcp_chunks_are_read_straight_into_place_and_other_layouts_through_dcp_load(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from zerodp.convert.dcp_ckpt import DcpSource
+
+    torch.manual_seed(0)
+    state = {"w": torch.randn(64, 32), "h": torch.randn(16, 8).bfloat16(), "step": torch.tensor(3.0),
+             "wt": torch.randn(32, 48).t()}  # a transposed view: saved with its strides
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    src = DcpSource(tmp_path / "dcp")
+    fallback, real = [], DcpSource._dcp_load
+    monkeypatch.setattr(DcpSource, "_dcp_load", lambda self, out: fallback.extend(out) or real(self, out))
+    got = dict(zip(state, src._load_many(list(state))))
+    assert fallback == ["wt"]
+    assert all(torch.equal(got[k], state[k]) and got[k].dtype == state[k].dtype for k in state)
+    data = next((tmp_path / "dcp").glob("*.distcp"))
+    os.truncate(data, 1000)  # inside the first chunk
+    with pytest.raises(CheckpointError, match="truncated"):
+        src._load_many(["w", "h"])

@@ -129,5 +129,7 @@ class ZerodpSource(CheckpointSource):
             raise CheckpointError(problem)
 
     def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
         if self._check is not None and self._check.problem is None:
             self._check.cancel()  # a conversion given up midway: stop hashing (confirm() now fails)

@@ -5,7 +5,7 @@ Builds, with `zerodp train` on 2 CPU processes (one step, a checkpoint at the en
 zero2, zero3 (DeepSpeed files) and fsdp (a DCP folder), then from the fsdp one a zerodp canonical
 checkpoint (`--to zerodp`) and a Hugging Face folder (`--to hf`). Each source is converted to
 safetensors shards (`--max-shard-size 500MB`) and to `--to hf`, each as the whole command a user runs,
-timed from outside with the child's peak RSS (os.wait4). Beside each: `cp -r` of the source folder on
+timed from outside with the child's peak RSS and CPU time (os.wait4). Beside each: `cp -r` of the source folder on
 the same disk (page cache warm for both), alone and followed by `sync` (convert fsyncs its output before
 publishing it), and for the DCP folder torch's
 `torch.distributed.checkpoint.format_utils.dcp_to_torch_save`.
@@ -35,8 +35,9 @@ TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.vocab_siz
 STRATEGIES = ("zero1", "zero2", "zero3", "fsdp")
 
 
-def run_measured(cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> tuple[float, float]:
-    """(seconds, peak RSS MB) via os.wait4 on the child (its own high-water mark)."""
+def run_measured(cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> tuple[float, float, float]:
+    """(seconds, peak RSS MB, CPU seconds) via os.wait4 on the child (its own high-water mark and
+    user + system time: on a shared machine the CPU time moves less than the wall-clock time)."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
     _, status, usage = os.wait4(p.pid, 0)
@@ -44,7 +45,7 @@ def run_measured(cmd: list[str], env: dict | None = None, cwd: Path = ROOT) -> t
     err = p.stderr.read().decode()
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"failed: {' '.join(map(str, cmd))}\n{err[-2000:]}")
-    return seconds, usage.ru_maxrss / 1024
+    return seconds, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def build(work: Path, model: list[str]) -> dict[str, Path]:
@@ -58,7 +59,7 @@ def build(work: Path, model: list[str]) -> dict[str, Path]:
                    "-m", "zerodp", "train", "configs/tiny.yaml", *model, f"strategy.name={s}", "train.max_steps=1",
                    "checkpoint.every=1", "train.global_batch_size=2", "train.micro_batch_size=1",
                    "train.sample_tokens=0", "train.eval_every=0", "train.progress=false", f"train.out_dir={out}"]
-            seconds, _ = run_measured(cmd, env)
+            seconds, _, _ = run_measured(cmd, env)
             print(f"built {s} checkpoint in {seconds:.0f}s", file=sys.stderr)
         step = (out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip())
         sources[s if s != "fsdp" else "fsdp (DCP)"] = step
@@ -116,26 +117,28 @@ def main(argv=None) -> None:
                 shutil.rmtree(dst, ignore_errors=True)
                 cmd = [sys.executable, "-m", "zerodp", "convert", str(src), str(dst), "--to", to,
                        "--max-shard-size", "500MB", "--no-progress", *extra]
-                seconds, rss = run_measured(cmd, env, zerodp_root)
+                seconds, rss, cpu = run_measured(cmd, env, zerodp_root)
                 written = folder_bytes(dst)
                 shutil.rmtree(dst)
-                rows.append((name, to, seconds, written / 1e6 / seconds, rss, size / 1e9, cp, cp_sync))
+                rows.append((name, to, seconds, cpu, written / 1e6 / seconds, rss, size / 1e9, cp, cp_sync))
             if name == "fsdp (DCP)":
                 dcp_dir = next(d.parent for d in src.rglob(".metadata"))
                 out = work / "dcp_to_torch_save.pt"
                 code = ("import sys; from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
                         "dcp_to_torch_save(sys.argv[1], sys.argv[2])")
-                seconds, rss = run_measured([sys.executable, "-c", code, str(dcp_dir), str(out)], env, zerodp_root)
+                seconds, rss, cpu = run_measured([sys.executable, "-c", code, str(dcp_dir), str(out)], env,
+                                                 zerodp_root)
                 written = out.stat().st_size
                 out.unlink()
-                rows.append((name, "torch dcp_to_torch_save", seconds, written / 1e6 / seconds, rss, size / 1e9, cp,
-                             cp_sync))
+                rows.append((name, "torch dcp_to_torch_save", seconds, cpu, written / 1e6 / seconds, rss, size / 1e9,
+                             cp, cp_sync))
         print(f"\nzerodp from {args.zerodp_root}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}")
-        print("| source | to | seconds | MB/s written | peak RSS MB | source GB | cp -r s | cp -r + sync s | vs cp | vs cp+sync |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
-        for name, to, seconds, rate, rss, gb, cp, cp_sync in rows:
-            print(f"| {name} | {to} | {seconds:.1f} | {rate:.0f} | {rss:.0f} | {gb:.2f} | {cp:.1f} | {cp_sync:.1f} | "
-                  f"{seconds / cp:.1f}x | {seconds / cp_sync:.1f}x |")
+        print("| source | to | seconds | CPU s | MB/s written | peak RSS MB | source GB | cp -r s | cp -r + sync s | "
+              "vs cp | vs cp+sync |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, to, seconds, cpu, rate, rss, gb, cp, cp_sync in rows:
+            print(f"| {name} | {to} | {seconds:.1f} | {cpu:.1f} | {rate:.0f} | {rss:.0f} | {gb:.2f} | {cp:.1f} | "
+                  f"{cp_sync:.1f} | {seconds / cp:.1f}x | {seconds / cp_sync:.1f}x |")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

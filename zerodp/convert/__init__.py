@@ -41,7 +41,7 @@ FORMATS = ("zerodp", "deepspeed", "dcp", "safetensors")
 def detect_format(path: str | Path) -> tuple[str, Path]:
     """(format, the path to open) for a checkpoint file or folder; CheckpointError if none fits."""
     from zerodp.convert.deepspeed_ckpt import find_deepspeed_dir
-    from zerodp.convert.zerodp_ckpt import resolve_zerodp_root
+    from zerodp.manifest import resolve_step_folder as resolve_zerodp_root
 
     path = Path(path)
     if not path.exists():
@@ -67,16 +67,18 @@ def detect_format(path: str | Path) -> tuple[str, Path]:
                           f"*.safetensors inside")
 
 
-def open_checkpoint(path: str | Path, verify_deep: bool = False, hash_beside_reads: bool = False) -> CheckpointSource:
+def open_checkpoint(path: str | Path, verify_deep: bool = False, hash_beside_reads: bool = False,
+                    hashing=None) -> CheckpointSource:
     """Open any supported checkpoint. Sizes (and with verify_deep, zerodp's sha256 manifest) are
     checked before any tensor is read; a damaged file raises CheckpointError naming it. With
-    hash_beside_reads the sha256 check runs in a thread while tensors are read, and
-    `source.confirm()` waits for it and raises (the writers call it before publishing)."""
+    hash_beside_reads the sha256 check runs in threads while tensors are read, and
+    `source.confirm()` waits for it and raises (the writers call it before publishing). `hashing`: a
+    zerodp.manifest.BackgroundVerify already begun on the checkpoint's step folder, used instead of a new one."""
     fmt, where = detect_format(path)
     if fmt == "zerodp":
         from zerodp.convert.zerodp_ckpt import ZerodpSource
 
-        return ZerodpSource(where, verify_deep=verify_deep, hash_beside_reads=hash_beside_reads)
+        return ZerodpSource(where, verify_deep=verify_deep, hash_beside_reads=hash_beside_reads, hashing=hashing)
     if fmt == "deepspeed":
         from zerodp.convert.deepspeed_ckpt import DeepSpeedSource
 

@@ -51,8 +51,7 @@ def add_inspect_parser(sub) -> None:
 
 
 def run_convert(args) -> int:
-    from zerodp.convert import open_checkpoint, parse_size, write_safetensors, write_zerodp
-    from zerodp.convert.writers import check_destination, write_hf
+    from zerodp.convert.destination import check_destination, parse_size  # no torch: see below
 
     if args.to not in TARGETS:
         raise UserError(f"--to {args.to} is not a target; use --to safetensors or --to zerodp, or --to hf for a "
@@ -64,11 +63,6 @@ def run_convert(args) -> int:
                         "always fp32")
     if args.config and args.to != "hf":
         raise UserError("--config applies to --to hf (the model a source without one holds); remove it")
-    model = None
-    if args.config:
-        from zerodp.config import load_config
-
-        model = load_config(args.config).to_dict()["model"]
     shard = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None
     window = parse_size(args.max_memory, "--max-memory")
     # Before SRC is opened (and hashed): DST must not overlap SRC as given (an out_dir, say, of which
@@ -76,7 +70,37 @@ def run_convert(args) -> int:
     # The writer checks again against every file the source reads, and writes through a staging folder.
     check_destination(args.dst, args.to, args.overwrite, inputs=[args.src])
     t0 = time.time()
-    with open_checkpoint(args.src, verify_deep=True, hash_beside_reads=True) as src:
+    hashing = _begin_hashing(args.src)
+    try:
+        return _convert(args, shard, window, hashing, t0)
+    finally:
+        if hashing is not None:
+            hashing.cancel()  # a no-op once the source has confirmed it; else (an error) stop the threads
+
+
+def _begin_hashing(src: str):
+    """A zerodp checkpoint's sha256 check (zerodp.manifest.BackgroundVerify), begun before torch is
+    imported: the hashing threads run while the imports (2-4 s) hold the main one. None for other formats."""
+    from zerodp.manifest import BackgroundVerify, resolve_step_folder
+
+    path = Path(src)
+    try:
+        step = resolve_step_folder(path) if path.is_dir() else None
+    except Exception:  # a broken `latest`: open_checkpoint says so in its own words
+        return None
+    return BackgroundVerify(step) if step is not None else None
+
+
+def _convert(args, shard, window, hashing, t0) -> int:
+    from zerodp.convert import open_checkpoint, write_safetensors, write_zerodp
+    from zerodp.convert.writers import write_hf
+
+    model = None
+    if args.config:
+        from zerodp.config import load_config
+
+        model = load_config(args.config).to_dict()["model"]
+    with open_checkpoint(args.src, verify_deep=True, hash_beside_reads=True, hashing=hashing) as src:
         if args.to == "safetensors":
             out = write_safetensors(src, args.dst, dtype=args.dtype, max_shard_size=shard,
                                     progress=not args.no_progress, overwrite=args.overwrite, window=window)

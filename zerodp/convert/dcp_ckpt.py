@@ -9,13 +9,15 @@ tensor equals a parameter's is a tied alias (plain FSDP saves the tie under both
 
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from pathlib import Path
 
 import torch
 
-from zerodp.convert.safeload import safe_dcp_planner, safe_dcp_reader
+from zerodp.convert import dcp_chunks
+from zerodp.convert.safeload import read_dcp_metadata, safe_dcp_planner, safe_dcp_reader
 from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, check_kind
 from zerodp.errors import CheckpointError
 
@@ -28,15 +30,15 @@ class DcpSource(CheckpointSource):
     format = "dcp"
 
     def __init__(self, path: Path, tied: dict[str, str] | None = None):
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self.path = Path(path)
         if not (self.path / ".metadata").is_file():
             raise CheckpointError(f"{self.path} has no .metadata file; not a torch.distributed.checkpoint folder")
-        self.reader = safe_dcp_reader(self.path)  # one reader: its metadata is parsed once
+        self._reader = None  # dcp.load's, made only for a chunk dcp_chunks does not read
+        self._fds: dict[str, int] = {}
         self._steps: dict[str, float] | None = None
         try:
-            self.md = self.reader.read_metadata()
+            # Plain stand-in records (zerodp.convert.safeload.read_dcp_metadata): no DCP import unless needed
+            self.md = read_dcp_metadata(self.path / ".metadata")
         except CheckpointError:
             raise
         except Exception as e:  # a truncated .metadata pickle
@@ -44,7 +46,9 @@ class DcpSource(CheckpointSource):
         problem = self.verify(deep=False)  # sizes first: nothing is read from a truncated file
         if problem:
             raise CheckpointError(problem)
-        tensors = {k: v for k, v in self.md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        tensors = {k: v for k, v in self.md.state_dict_metadata.items() if type(v).__name__ == "TensorStorageMetadata"}
+        self._chunk_at = {(i.fqn, tuple(getattr(i, "offset", None) or ())): where
+                          for i, where in self.md.storage_data.items()}
         self.meta_of = tensors
         self.opt_keys: dict[tuple[str, str], str] = {}  # (param, exp_avg|exp_avg_sq|step) -> key
         model_keys = []
@@ -90,21 +94,76 @@ class DcpSource(CheckpointSource):
         return self._load_many([key])[0]
 
     def _load_many(self, keys: list[str]) -> list[torch.Tensor]:
-        """The tensors of `keys` in one dcp.load: DCP reads each file's requested byte ranges in order,
-        one pass per file, instead of a pass (and a planning round) per tensor."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
+        """The tensors of `keys`: each chunk read straight into place (zerodp.convert.dcp_chunks), in file
+        order; any chunk laid out otherwise in one dcp.load (one pass per file, one planning round)."""
         out = {k: torch.empty(tuple(self.meta_of[k].size), dtype=self.meta_of[k].properties.dtype) for k in keys}
         try:
-            with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load(dict(out), storage_reader=self.reader, planner=safe_dcp_planner(), no_dist=True)
-        except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps file errors
+            rest = self._read_direct(out, keys)
+            if rest:
+                self._dcp_load({k: out[k] for k in rest})
+        except BaseException as e:
+            if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
+                raise  # (DCP's CheckpointException, a BaseException, wraps file errors)
             problem = self.verify(deep=False) or f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
             what = keys[0] if len(keys) == 1 else f"{len(keys)} tensors ({keys[0]}, ...)"
             raise CheckpointError(f"{self.path}: cannot read {what}: {problem}") from None
         return [out[k] for k in keys]
+
+    def _read_direct(self, out: dict[str, torch.Tensor], keys: list[str]) -> list[str]:
+        """Fill out[k] for the keys whose chunks dcp_chunks reads; return the others."""
+        plan, rest = [], []
+        for k in keys:
+            md = self.meta_of[k]
+            try:
+                pieces = []
+                for chunk in md.chunks:
+                    where = self._chunk_at.get((k, tuple(chunk.offsets)))
+                    if where is None or getattr(where, "transform_descriptors", None):
+                        raise dcp_chunks.Unsupported("a chunk with a transform")
+                    fd = self._fd(where.relative_path)
+                    at = dcp_chunks.chunk_bytes(fd, where.offset, where.length, md.properties.dtype,
+                                                tuple(chunk.sizes))
+                    target = out[k]
+                    for dim, (start, n) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                        target = target.narrow(dim, start, n)
+                    pieces.append((where.relative_path, at, target))
+            except dcp_chunks.Unsupported:
+                rest.append(k)
+                continue
+            plan += pieces
+        for rel, at, target in sorted(plan, key=lambda p: (p[0], p[1])):  # one forward pass per file
+            if target.is_contiguous():  # a row block of the tensor (how FSDP shards): straight into place
+                dcp_chunks.read_into(self._fd(rel), at, target)
+            else:
+                piece = torch.empty(target.shape, dtype=target.dtype)
+                dcp_chunks.read_into(self._fd(rel), at, piece)
+                target.copy_(piece)
+        return rest
+
+    def _dcp_load(self, out: dict[str, torch.Tensor]) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": intended
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(out, storage_reader=self.reader, planner=safe_dcp_planner(), no_dist=True)
+
+    @property
+    def reader(self):
+        """dcp.load's storage reader (its metadata unpickled, with the allowlist, into DCP's own classes)."""
+        if self._reader is None:
+            self._reader = safe_dcp_reader(self.path)
+            self._reader.read_metadata()  # parsed once: cached by the reader
+        return self._reader
+
+    def _fd(self, rel: str) -> int:
+        if rel not in self._fds:
+            self._fds[rel] = os.open(self.path / rel, os.O_RDONLY)
+        return self._fds[rel]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def _key(self, name: str, kind: str) -> str:
         check_kind(kind)

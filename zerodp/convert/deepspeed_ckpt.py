@@ -7,15 +7,19 @@ fp32 partitions' flat layout:
             in order (plus per-parameter alignment padding) gives each parameter.
   ZeRO-3:   every parameter is split into world_size pieces of ceil(numel / world_size) (the last
             one padded); each rank's flat groups hold its pieces of all parameters in order.
-Rank files are opened with mmap (tensors stay on disk until sliced) and dropped again after a byte
-budget, so reading a parameter touches only its own bytes and resident memory stays bounded.
+Rank files are opened with mmap (tensors stay on disk until sliced), so reading a parameter touches
+only its own bytes; the pages of each piece copied out are given back at once (madvise), so resident
+memory stays bounded without re-opening the files (where madvise is missing: re-opened after a byte budget).
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
+import mmap
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -26,10 +30,59 @@ from zerodp.errors import CheckpointError
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-# Bytes sliced out of memory-mapped rank files before they are re-opened: pages read stay resident
-# (and count in RSS) until then. 64 MiB bounds that at a small cost in re-opening (measured with
-# benchmarks/convert_memory.py: 256 MiB kept ~260 MiB resident; 32 MiB made conversion 1.5x slower).
+# Without madvise (not Linux): bytes sliced out of memory-mapped rank files before they are re-opened:
+# pages read stay resident (and count in RSS) until then. 64 MiB bounds that at a cost in re-opening
+# and garbage collection (measured with benchmarks/convert_memory.py: 256 MiB kept ~260 MiB resident;
+# 32 MiB made conversion 1.5x slower; on Linux the re-opening was a third of the reading thread's time).
 _TOUCH_BUDGET = 64 * 1024 * 1024
+_MADV_DONTNEED = 4
+_PAGE = mmap.PAGESIZE
+
+
+def _libc_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        f = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return f
+
+
+_madvise = _libc_madvise()
+
+
+def file_mappings(path: Path) -> list[tuple[int, int]]:
+    """The address ranges at which this process maps `path` (Linux's /proc/self/maps); [] if unknown."""
+    want = str(Path(path).resolve())
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == want:
+            lo, hi = fields[0].split("-")
+            ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+def drop_pages(t: torch.Tensor, mapped: list[tuple[int, int]]) -> bool:
+    """Give back the resident pages wholly inside tensor `t`'s bytes (madvise MADV_DONTNEED) when they
+    lie in one of the file mappings `mapped`: a clean page of a file mapping is re-read from the file if
+    touched again, so nothing changes but resident memory (memory not mapped from a file is never
+    touched: there MADV_DONTNEED would zero it). True if done; False where it cannot be."""
+    if _madvise is None:
+        return False
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    if not any(lo <= start and end <= hi for lo, hi in mapped):
+        return False
+    lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+    return hi <= lo or _madvise(lo, hi - lo, _MADV_DONTNEED) == 0
 
 
 def find_deepspeed_dir(path: Path) -> Path | None:
@@ -65,6 +118,7 @@ class _Ranks:
     def __init__(self, files: list[Path]):
         self.files = files
         self.cache: dict[int, dict] = {}
+        self.mapped: dict[int, list[tuple[int, int]]] = {}  # rank -> where its file is mapped
         self.touched = 0
 
     def osd(self, rank: int) -> dict:
@@ -73,14 +127,19 @@ class _Ranks:
             if "optimizer_state_dict" not in sd:
                 raise CheckpointError(f"{self.files[rank]} has no optimizer_state_dict; not a ZeRO optimizer file")
             self.cache[rank] = sd["optimizer_state_dict"]
+            self.mapped[rank] = file_mappings(self.files[rank])
         return self.cache[rank]
 
     def touch(self, nbytes: int) -> None:
         self.touched += nbytes
         if self.touched > _TOUCH_BUDGET:  # unmap: the pages read so far leave resident memory
-            self.cache.clear()
+            self.clear()
             self.touched = 0
             gc.collect()
+
+    def clear(self) -> None:
+        self.cache.clear()
+        self.mapped.clear()
 
 
 class DeepSpeedSource(CheckpointSource):
@@ -158,7 +217,7 @@ class DeepSpeedSource(CheckpointSource):
             if groups is None:
                 raise CheckpointError(f"{self.optim_files[r]} has no {key}; not a ZeRO-{self.stage} checkpoint")
             lengths.append([int(t.numel()) for t in groups])
-        self.ranks.cache.clear()
+        self.ranks.clear()
         self.pieces: dict[str, list[tuple[int, int, int, int]]] = {}
         self.group_of: dict[str, int] = {}
         osd0 = self.ranks.osd(0)
@@ -272,9 +331,11 @@ class DeepSpeedSource(CheckpointSource):
                 flat = self.ranks.osd(r)[key][g]
             else:
                 flat = self._state(r, g)[kind]
-            out[at:at + n].copy_(flat.narrow(0, start, n))
+            piece = flat.narrow(0, start, n)
+            out[at:at + n].copy_(piece)
             at += n
-            self.ranks.touch(4 * n)
+            if not drop_pages(piece, self.ranks.mapped.get(r, [])):
+                self.ranks.touch(4 * n)
         assert at == info.numel, (name, at, info.numel)
         return out.view(info.shape)
 
@@ -308,4 +369,4 @@ class DeepSpeedSource(CheckpointSource):
         return None
 
     def close(self) -> None:
-        self.ranks.cache.clear()
+        self.ranks.clear()

@@ -59,6 +59,12 @@ class FullState:
         """The source's name for the model's parameter `name`."""
         return self._stored(name)[0]
 
+    def stored_transposed(self, name: str) -> bool:
+        """Whether the source keeps `name` transposed from the model's layout (HF's Conv1D weights)."""
+        from zerodp.models.hf import TRANSPOSE
+
+        return self._stored(name)[1] == TRANSPOSE
+
     @contextlib.contextmanager
     def reading_ahead(self, order: list[tuple[str, str]], window: int):
         """Within the block, the source is read ahead in `order` ((stored name, kind) pairs, as `get`

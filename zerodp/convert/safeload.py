@@ -108,6 +108,56 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
 
 
+class _Record:
+    """Stand-in for one of DCP's metadata dataclasses: keeps the pickled fields, has no behaviour."""
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and (state[0] is None or isinstance(state[0], dict)):
+            state = {**(state[0] or {}), **(state[1] or {})}  # (dict state, slot state)
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.__dict__})"
+
+
+class TensorProperties(_Record):
+    def __setstate__(self, state):  # pickled as a tuple (torch's __getstate__)
+        self.dtype, self.layout, self.requires_grad, self.memory_format, self.pin_memory = state
+
+
+# Stand-ins by DCP's class names: what zerodp.convert.dcp_ckpt reads of a folder's `.metadata` without
+# importing torch.distributed.checkpoint (a second of CPU: it loads DTensor and sympy).
+_DCP_STAND_INS = {name: type(name, (_Record,), {}) for name in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+    "ChunkStorageMetadata", "_StorageInfo")}
+_DCP_STAND_INS["TensorProperties"] = TensorProperties
+_DCP_STAND_INS["_MEM_FORMAT_ENCODING"] = int  # an Enum pickled as _MEM_FORMAT_ENCODING(value)
+
+
+class _DcpMetadataStandInUnpickler(_DcpMetadataUnpickler):
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") and name in _DCP_METADATA_TYPES.get(module, ()):
+            return _DCP_STAND_INS[name]
+        if module == "torch.serialization" and name == "_get_layout":
+            import torch.serialization
+
+            return torch.serialization._get_layout
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(path: Path):
+    """A DCP folder's `.metadata`, unpickled with the allowlist into plain stand-in records (the same
+    field names as torch.distributed.checkpoint.metadata's classes; no DCP import). CheckpointError on
+    a global outside the allowlist; other errors (a truncated pickle) propagate."""
+    with open(path, "rb") as f:
+        try:
+            return _DcpMetadataStandInUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            what = str(e).removeprefix("GLOBAL ")
+            raise CheckpointError(f"{path} asks to load the global {what}, which is not on zerodp's allowlist "
+                                  f"of checkpoint metadata types; refusing to load it") from None
+
+
 def _safe_dcp_classes():
     """FileSystemReader and DefaultLoadPlanner with their pickle loads replaced by allowlisted ones
     (built on first use: importing torch.distributed.checkpoint is not free)."""

@@ -10,6 +10,8 @@ master weights for DeepSpeed, DCP and zerodp; the file's dtype for safetensors),
 from __future__ import annotations
 
 import json
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -200,7 +202,8 @@ class SafetensorsFile:
 def write_safetensors_file(path: Path, names: list[str], infos: dict[str, TensorInfo], fetch, metadata: dict,
                            on_bytes=None) -> None:
     """Write a safetensors file tensor by tensor: the header first (shapes are known), then each
-    tensor from `fetch(name)` (already in infos[name].dtype). Written to `path.tmp`, renamed at the end."""
+    tensor from `fetch(name)` (already in infos[name].dtype). Written to `path.tmp`, renamed at the end;
+    its bytes then start for the disk in a background thread (`flush_soon`) while the next file is written."""
     header, offset = {}, 0
     for n in names:
         i = infos[n]
@@ -223,3 +226,25 @@ def write_safetensors_file(path: Path, names: list[str], infos: dict[str, Tensor
             if on_bytes:
                 on_bytes(i.nbytes)
     tmp.replace(path)
+    flush_soon(path)
+
+
+def flush_soon(path: Path) -> threading.Thread:
+    """fsync `path` in a daemon thread, so that the disk writes a finished output file while the next one
+    is converted: the kernel would otherwise hold its pages until the final fsync (zerodp.safe_output's,
+    before publishing; still done, and then has little left to wait for). Errors are left to that one."""
+    def run() -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    t = threading.Thread(target=run, name="zerodp-flush", daemon=True)
+    t.start()
+    return t

@@ -1,11 +1,14 @@
 """Reading ahead of the writer: a background thread fetches the tensors a writer will ask for, in its
-order, in batches (`CheckpointSource.get_many`: one pass over each DCP file per batch), while the writer
-casts, transposes and writes the ones already read. Reading and writing overlap; memory stays bounded by
-`window` bytes of tensors read and not yet written, plus the tensor being written (and its cast copy):
-freed tensors go back to the operating system at once (see `_tensors_back_to_the_os`).
+order, in batches (`CheckpointSource.get_many`: one pass over each DCP file per batch), and with
+`prepare` casts and transposes them into the output's dtype and layout, while the writer writes the
+ones already done. Reading, converting and writing overlap; memory stays bounded by `window` bytes of
+tensors read and not yet written (counted at the larger of their stored and prepared sizes), plus the
+tensor being written and the one being prepared: freed tensors go back to the operating system at
+once (see `_tensors_back_to_the_os`).
 
-    with read_ahead(source, [(name, kind), ...], window=1 << 30) as src:
-        t = src.get(name, kind)   # the next one in order: from the queue; anything else: read directly
+    with read_ahead(source, [(name, kind), ...], window=1 << 30, prepare=cast) as src:
+        t = src.get(name, kind)   # the next one in order: from the queue, prepared (cast(index, tensor));
+                                  # anything else: read directly, as stored
 
 The source's own files are never read by two threads at once (one lock around every read).
 """
@@ -26,8 +29,9 @@ DEFAULT_WINDOW = 256 << 20  # --max-memory's default: 256 MiB of tensors in flig
 class ReadAhead:
     """A source whose `get` hands out, in the declared order, tensors a background thread read ahead."""
 
-    def __init__(self, source, order: list[tuple[str, str]], nbytes: list[int], window: int):
+    def __init__(self, source, order: list[tuple[str, str]], nbytes: list[int], window: int, prepare=None):
         self.source = source
+        self.prepare = prepare  # (index in order, tensor as stored) -> the tensor the writer wants
         self.order = list(order)
         self.nbytes = list(nbytes)
         self.window = max(int(window), 1)
@@ -67,6 +71,9 @@ class ReadAhead:
                     self.in_flight += need
                 with self.lock:
                     tensors = self.source.get_many(self.order[lo:hi])
+                if self.prepare is not None:  # outside the lock: an out-of-order read need not wait for it
+                    for i in range(len(tensors)):
+                        tensors[i] = self.prepare(lo + i, tensors[i])
                 with self.cond:
                     self.ready.extend(zip(self.order[lo:hi], tensors))
                     self.cond.notify_all()
@@ -120,14 +127,18 @@ _MALLOC_FIXED = False
 
 
 @contextlib.contextmanager
-def read_ahead(source, order: list[tuple[str, str]], window: int = DEFAULT_WINDOW):
-    """`source` reading `order` ahead in a background thread within `window` bytes (see the module)."""
+def read_ahead(source, order: list[tuple[str, str]], window: int = DEFAULT_WINDOW, prepare=None,
+               prepared_nbytes: list[int] | None = None):
+    """`source` reading `order` ahead in a background thread within `window` bytes, each tensor then
+    passed through `prepare(index, tensor)` there (see the module). `prepared_nbytes`: the prepared
+    tensors' sizes, where prepare changes them (a cast to a wider dtype)."""
     _tensors_back_to_the_os()
     nbytes = []
-    for name, kind in order:
+    for i, (name, kind) in enumerate(order):
         info = source.info(name)
-        nbytes.append(info.numel * (4 if kind != "param" else info.dtype.itemsize))
-    ahead = ReadAhead(source, order, nbytes, window)
+        n = info.numel * (4 if kind != "param" else info.dtype.itemsize)
+        nbytes.append(max(n, prepared_nbytes[i]) if prepared_nbytes else n)
+    ahead = ReadAhead(source, order, nbytes, window, prepare)
     ahead.thread.start()
     try:
         yield ahead

@@ -15,29 +15,20 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
 import torch
 
 from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, names_layout, write_safetensors_file
+# check_destination, convert_output_kind and parse_size stay part of this module's API
+from zerodp.convert.destination import (  # noqa: F401
+    HF_CONFIG, INDEX, TOKENIZER_FILES, check_destination, convert_output_kind, parse_size)
 from zerodp.convert.stream import DEFAULT_WINDOW, read_ahead
 from zerodp.errors import CheckpointError, UserError
-from zerodp.safe_output import check_output, staged
+from zerodp.safe_output import staged
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-INDEX = "model.safetensors.index.json"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str, what: str = "--max-shard-size") -> int:
-    """'5GB' -> 5_000_000_000 (HF's decimal units); '10MiB', '123' (bytes) also accepted."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
-    if not m or m.group(2) not in _UNITS or float(m.group(1)) <= 0:
-        raise UserError(f"{what} {text!r} is not a size; write it like 5GB, 500MB or 10MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 @contextlib.contextmanager
@@ -62,84 +53,6 @@ def _progress(total: int, desc: str, enabled: bool):
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}B of {total_fmt}B, {rate_fmt}, {remaining} left")
 
 
-# A `zerodp convert` output records that convert made it in the metadata it has always written, so
-# no extra file rides along to the hub: a zerodp checkpoint's meta.json has `converted_from`; a
-# safetensors export has `zerodp.source` in every file's header metadata (and the index's) and no
-# meta.json; a Hugging Face export is one whose files also say `zerodp.layout: hf`, with the
-# config.json written beside them. Either is replaceable only if it holds nothing else: a user's
-# tokenizer added to an export folder (or a config.json added to a --to safetensors one) would be lost.
-_EXPORT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|" + re.escape(INDEX))
-HF_CONFIG = "config.json"
-
-
-def check_destination(dst: str | Path, to: str, overwrite: bool, inputs=()) -> None:
-    """Refuse (UserError) a `dst` that `zerodp convert --to {to}` may not write: one that overlaps an
-    input, a file, a non-empty folder without `overwrite`, or one that is not an earlier output of
-    `--to {to}` (a training run or checkpoint, foreign files, another target's output)."""
-    def not_replaceable(folder: Path) -> str | None:
-        kind, why = convert_output_kind(folder)
-        if kind is None:
-            return why
-        return None if kind == to else f"is the output of `zerodp convert --to {kind}`"
-
-    check_output(dst, inputs, overwrite, f"zerodp convert --to {to}", not_replaceable)
-
-
-def convert_output_kind(folder: Path) -> tuple[str | None, str]:
-    """("safetensors" | "hf" | "zerodp", "") if non-empty `folder` is an earlier `zerodp convert` output
-    and holds nothing else; else (None, what it is instead)."""
-    entries = sorted(folder.iterdir())
-    meta_path = folder / "meta.json"
-    if meta_path.is_file():
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (ValueError, OSError):
-            return None, "holds a meta.json that is not valid JSON"
-        if not isinstance(meta, dict) or "converted_from" not in meta:
-            return None, "is a checkpoint written by training (its meta.json has no converted_from)"
-        listed = set(meta.get("files") or {}) | {"meta.json"}
-        foreign = [p.name for p in entries if p.name not in listed or not p.is_file() or p.is_symlink()]
-        return (None, f"holds {foreign[0]}, which zerodp convert did not write") if foreign else ("zerodp", "")
-    layouts, tokenizer_files = set(), {}
-    for p in entries:
-        if p.name == HF_CONFIG and p.is_file() and not p.is_symlink():
-            continue
-        if p.name in TOKENIZER_FILES and p.is_file() and not p.is_symlink():
-            continue  # checked below against the sha256 the weights' metadata records
-        if not _EXPORT_NAME.fullmatch(p.name) or not p.is_file() or p.is_symlink():
-            return None, f"holds {p.name}, which zerodp convert did not write"
-        md = _index_metadata(p) if p.name == INDEX else _header_metadata(p)
-        if "zerodp.source" not in md:
-            return None, f"holds {p.name}, which zerodp convert did not write (no zerodp.source in its metadata)"
-        layouts.add(md.get("zerodp.layout"))
-        tokenizer_files.update(json.loads(md.get("zerodp.tokenizer_files") or "{}"))
-    for p in entries:
-        if p.name in TOKENIZER_FILES and tokenizer_files.get(p.name) != hashlib.sha256(p.read_bytes()).hexdigest():
-            return None, f"holds {p.name}, which zerodp convert did not write (or which was changed since)"
-    if not layouts:
-        return None, f"holds {HF_CONFIG}, which zerodp convert did not write (no weights of ours beside it)"
-    kind = "hf" if layouts == {"hf"} and (folder / HF_CONFIG).is_file() else "safetensors"
-    if kind == "safetensors" and (folder / HF_CONFIG).exists():
-        return None, f"holds {HF_CONFIG}, which zerodp convert --to safetensors did not write"
-    return kind, ""
-
-
-def _header_metadata(path: Path) -> dict:
-    """A safetensors file's `__metadata__`, read leniently (a damaged earlier export is still ours)."""
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n)) if 0 < n <= 100 * 2**20 else {}
-        return dict(header.get("__metadata__") or {})
-    except (OSError, ValueError, AttributeError, TypeError):
-        return {}
-
-
-def _index_metadata(path: Path) -> dict:
-    try:
-        return dict(json.loads(path.read_text()).get("metadata") or {})
-    except (OSError, ValueError, AttributeError, TypeError):
-        return {}
 
 
 def _read_paths(source: CheckpointSource) -> list[Path]:
@@ -220,10 +133,16 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
 
     order = [(n, "param") for shard in shards.values() for n in shard]
     total = sum(i.nbytes for i in infos.values())
-    with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, read_ahead(source, order, window) as src:
+
+    def cast(index: int, t: torch.Tensor) -> torch.Tensor:  # in the reading thread (zerodp.convert.stream)
+        want = infos[order[index][0]].dtype
+        return t.to(want) if t.dtype != want else t
+
+    sizes = [infos[n].nbytes for n, _ in order]
+    with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, \
+            read_ahead(source, order, window, cast, sizes) as src:
         def fetch(n: str) -> torch.Tensor:
-            t = src.get(n)
-            return t.to(infos[n].dtype) if t.dtype != infos[n].dtype else t
+            return src.get(n)
 
         files = _write_shards(out, shards, infos, fetch, metadata, bar)
     return [dst / name for name in files]
@@ -242,7 +161,7 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     `write_safetensors`; config.json's torch_dtype names the embedding's."""
     from zerodp.config import ModelConfig
     from zerodp.models.arch import arch_of
-    from zerodp.models.hf import hf_config_from_model, to_hf, transposed
+    from zerodp.models.hf import TRANSPOSE, hf_config_from_model, to_hf, transposed
     from zerodp.convert.full_state import FullState
 
     dst = Path(dst)
@@ -277,25 +196,38 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
             {n: hashlib.sha256(d).hexdigest() for n, d in tokenizer_files.items()}, sort_keys=True)
     config.update(_special_ids(source, bool(tokenizer_files)))
 
-    def fetch(hf_name: str) -> torch.Tensor:
+    hf_order = [h for shard in shards.values() for h in shard]
+    stored_of = {h: state.stored_name(back[h][0]) for h in hf_order}
+    order = [(stored_of[h], "param") for h in hf_order]
+
+    def to_hf_layout(index: int, t: torch.Tensor) -> torch.Tensor:  # in the reading thread (zerodp.convert.stream)
+        hf_name = hf_order[index]
         name, shape, transform = back[hf_name]
-        t = state.get(name, "param", shape)
-        if transform:
-            t = t.t().contiguous()  # nn.Linear (out, in) -> HF's Conv1D (in, out)
-        return t.to(infos[hf_name].dtype)
+        # nn.Linear (out, in) <-> HF's Conv1D (in, out): transposed once if exactly one of the source's
+        # layout and HF's differs from the model's (an HF source written back as HF is not transposed twice)
+        if state.stored_transposed(name) != (transform == TRANSPOSE):
+            t = t.t()
+        want = infos[hf_name]
+        if tuple(t.shape) != want.shape:  # state.mismatch compared the headers; this is the data
+            raise CheckpointError(f"{source.path}: {name} has shape {tuple(t.shape)} there but {want.shape} "
+                                  f"in the output; set the model section to the checkpoint's dimensions")
+        if t.dtype == want.dtype:
+            return t.contiguous()  # (`to` would hand a transposed view back as it is)
+        return t.to(want.dtype, memory_format=torch.contiguous_format)  # one pass: cast and layout
 
     total = sum(i.nbytes for i in infos.values())
-    order = [(state.stored_name(back[h][0]), "param") for shard in shards.values() for h in shard]
-    with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, state.reading_ahead(order, window):
+    sizes = [infos[h].nbytes for h in hf_order]
+    with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, \
+            read_ahead(source, order, window, to_hf_layout, sizes) as src:
+        def fetch(hf_name: str) -> torch.Tensor:
+            return src.get(stored_of[hf_name])
+
         (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         files = [HF_CONFIG, *_write_shards(out, shards, infos, fetch, metadata, bar)]
         for name, data in tokenizer_files.items():
             (out / name).write_bytes(data)
             files.append(name)
     return [dst / name for name in files]
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _special_ids(source: CheckpointSource, with_tokenizer: bool) -> dict:

@@ -8,57 +8,42 @@ DeepSpeed's files (zero1/2/3) or a DCP folder (fsdp), each found by what is on d
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import torch
 
 from zerodp.convert.source import MOMENTS, CheckpointSource, SafetensorsFile, TensorInfo, check_kind
 from zerodp.errors import CheckpointError
-
-META = "meta.json"
-
-
-def resolve_zerodp_root(path: Path) -> Path | None:
-    """A step folder for `path` if it is one, or an out_dir / checkpoints root (its `latest`)."""
-    path = Path(path)
-    if (path / META).is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        latest = root / "latest"
-        if latest.is_file():
-            target = root / latest.read_text().strip()
-            if (target / META).is_file():
-                return target
-            if target.name.startswith("step_"):
-                raise CheckpointError(f"{latest} points to {target.name}, which has no {META} (missing or "
-                                      f"interrupted); pass an intact step_ folder explicitly")
-        steps = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / META).is_file())
-        if steps and root.name == "checkpoints":
-            return steps[-1]
-    return None
+from zerodp.manifest import META, BackgroundVerify, resolve_step_folder as resolve_zerodp_root  # noqa: F401
 
 
 class ZerodpSource(CheckpointSource):
     format = "zerodp"
 
-    def __init__(self, path: Path, verify_deep: bool = False, hash_beside_reads: bool = False):
+    def __init__(self, path: Path, verify_deep: bool = False, hash_beside_reads: bool = False,
+                 hashing: BackgroundVerify | None = None):
         self.path = Path(path)
         try:
             self.meta = json.loads((self.path / META).read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{self.path / META} is not valid JSON ({e})") from None
-        # Sizes always, and with verify_deep the sha256 of every file: first, or with hash_beside_reads in a
-        # thread beside the reads (hashlib releases the GIL); a writer then publishes nothing until
-        # `confirm()` has seen it pass.
-        problem = self.verify(deep=verify_deep and not hash_beside_reads)
+        # Sizes always, and with verify_deep the sha256 of every file: first, or with hash_beside_reads in
+        # threads beside the reads (hashlib releases the GIL); a writer then publishes nothing until
+        # `confirm()` has seen it pass. `hashing`: that check already begun on this folder (the command
+        # starts it before torch is imported).
+        self._check: BackgroundVerify | None = None
+        if verify_deep and hash_beside_reads:
+            if hashing is not None and hashing.ckpt.resolve() == self.path.resolve():
+                self._check = hashing
+            else:
+                if hashing is not None:
+                    hashing.cancel()
+                self._check = BackgroundVerify(self.path)
+            problem = self._check.problem  # the sizes, known at once
+        else:
+            problem = self.verify(deep=verify_deep)
         if problem:
             raise CheckpointError(problem)
-        beside = verify_deep and hash_beside_reads
-        self._hashing = threading.Thread(target=self._hash, daemon=True, name="zerodp-sha256") if beside else None
-        self._hash_problem: str | None = None
-        if self._hashing is not None:
-            self._hashing.start()
         self.inner: CheckpointSource | None = None
         self.model = self.optim = None
         if (self.path / "model.safetensors").is_file():
@@ -138,11 +123,13 @@ class ZerodpSource(CheckpointSource):
 
         return verify(self.path, deep=deep)
 
-    def _hash(self) -> None:
-        self._hash_problem = self.verify(deep=True)
-
     def confirm(self) -> None:
-        if self._hashing is not None:
-            self._hashing.join()
-        if self._hash_problem:
-            raise CheckpointError(self._hash_problem)
+        problem = self._check.result() if self._check is not None else None
+        if problem:
+            raise CheckpointError(problem)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+        if self._check is not None and self._check.problem is None:
+            self._check.cancel()  # a conversion given up midway: stop hashing (confirm() now fails)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import run_distributed
+from tests.harness import ROOT, run_distributed
 from zerodp.grad_noise import NoiseScale, advice, skip_reason
 
 STEPS, MICRO, GLOBAL = 40, 2, 16
@@ -76,7 +78,7 @@ def brute_force(overrides: list[str]) -> dict:
                          if k in summary["weights"])}
 
 
-def test_running_estimate_matches_per_example_gradients(tiny, tmp_path):
+def test_running_estimate_matches_per_example_gradients(tiny, tmp_path, capsys):
     over = tiny + [f"train.micro_batch_size={MICRO}", f"train.global_batch_size={GLOBAL}",
                    f"train.max_steps={STEPS}", "optim.lr=1e-12", "optim.min_lr=1e-12", "strategy.name=single",
                    "train.log_every=10", f"train.out_dir={tmp_path}"]
@@ -97,6 +99,47 @@ def test_running_estimate_matches_per_example_gradients(tiny, tmp_path):
     assert b_simple > 0
     assert abs(final / b_simple - 1) < BRUTE_FORCE_TOLERANCE
     assert res["run"]["grad_noise_scale"]["sequences"] == final
+    _check_plan_from_run(tmp_path, records[-1], capsys)
+
+
+NO_TORCH = ("import json, sys\nfrom zerodp.cli import main\nassert main(sys.argv[1:]) == 0\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')]\nassert not bad, bad\n")
+
+
+def _check_plan_from_run(run_dir: Path, last: dict, capsys) -> None:
+    """`zerodp plan --from-run` on the run just made: its last estimate, the world sizes above it
+    marked, and no torch imported; bad input is one line on stderr and exit 2."""
+    r = subprocess.run([sys.executable, "-c", NO_TORCH, "plan", "--from-run", str(run_dir), "--json"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    found = json.loads(r.stdout)["critical_batch"]
+    critical = last["grad_noise_scale"]["sequences"]
+    assert (found["step"], found["sequences"], found["world_size"], found["per_rank"]) == (STEPS, critical, 1, GLOBAL)
+    assert found["rows"][0] == {"world_size": 1, "global_batch": GLOBAL, "ratio": GLOBAL / critical,
+                                "exceeds": GLOBAL > critical}
+    assert all(row["exceeds"] == (row["world_size"] * GLOBAL > critical) for row in found["rows"])
+    from zerodp.cli import main
+
+    capsys.readouterr()
+    assert main(["plan", "--from-run", str(run_dir), "--model", "gpt2", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    table, _, noise = out.partition("critical batch measured by")
+    assert "ddp" in table  # the plan's table first
+    assert noise.startswith(f" {run_dir} at step {STEPS}: ~")
+    assert "exceeds it" in noise and "\n        8 " in noise  # the planned world size (8 GPUs) is listed
+
+    bare = run_dir / "without"
+    bare.mkdir()
+    (bare / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (bare / "metrics.jsonl").write_text("".join(
+        json.dumps({k: v for k, v in json.loads(x).items() if k != "grad_noise_scale"}) + "\n" for x in lines))
+    for target, message in ((bare, "metrics.jsonl holds no grad_noise_scale; train with train.grad_noise_scale=true"),
+                            (run_dir / "missing", "no metrics.jsonl and config.yaml there")):
+        assert main(["plan", "--from-run", str(target)]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert err.startswith(f"zerodp: error: --from-run {target}: ") and message in err, err
 
 
 def test_estimator_recovers_a_known_noise_scale():

@@ -76,20 +76,20 @@ def advice(global_batch: int, estimate: dict | None, steps: int) -> str:
                 f"tr(Sigma) is not positive: too few steps to tell signal from noise); train longer for one")
     b = estimate["sequences"]
     ratio = global_batch / b
-    head = (f"critical batch (gradient noise scale, averaged over {steps} steps): ~{_round(b):,} sequences "
-            f"(~{_round(estimate['tokens']):,} tokens); global batch {global_batch:,} sequences is {_times(ratio)}")
+    head = (f"critical batch (gradient noise scale, averaged over {steps} steps): ~{two_figures(b):,} sequences "
+            f"(~{two_figures(estimate['tokens']):,} tokens); global batch {global_batch:,} sequences is {times(ratio)}")
     if ratio < 0.5:
-        return f"{head} it: up to ~{_times(1 / ratio)} more GPUs would still scale near-linearly"
+        return f"{head} it: up to ~{times(1 / ratio)} more GPUs would still scale near-linearly"
     if ratio > 2:
         return f"{head} it: a smaller global batch would reach the same loss in fewer tokens"
     return f"{head} it: near the balance of steps against tokens"
 
 
-def _times(x: float) -> str:
+def times(x: float) -> str:
     return f"{x:.2g}x" if x < 10 else f"{x:,.0f}x"
 
 
-def _round(x: float):
+def two_figures(x: float):
     """Two significant figures: the estimate is not more precise than that."""
     if x < 10:
         return float(f"{x:.2g}")

@@ -6,6 +6,13 @@ the median of the rounds counts.
 
     python benchmarks/grad_noise_overhead.py                             # ddp,zero2,zero3,fsdp, 2 processes
     python benchmarks/grad_noise_overhead.py --strategies ddp --rounds 5 train.micro_batch_size=4
+    python benchmarks/grad_noise_overhead.py --direct --steps 30    # one process, steps interleaved
+
+On a machine shared with other jobs the commands' times vary by more than the effect; `--direct`
+then measures the same thing inside one process: two `single` strategies over the same model and
+batch (micro batch 8 of global 16: 2 micro batches, the estimate on in one and off in the other) take
+their steps in turn, ABBA, so that a change in the machine's load falls on both; the median of each
+one's step times (forward, backward, hooks, fetching the norm, optimizer) and their ratio.
 
 Prints, per strategy, seconds per step and per command with the estimate on and off, and the ratios
 on / off (1.000 = no overhead; the target is under 1.01).
@@ -44,6 +51,7 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=10, help="steps before the timed ones (W, a log step)")
     p.add_argument("--log-every", type=int, default=10, help="train.log_every")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--direct", action="store_true", help="time interleaved steps inside one process instead")
     p.add_argument("overrides", nargs="*", help="zerodp config overrides for the model and batch")
     args = p.parse_args()
     for name in args.strategies.split(","):
@@ -103,8 +111,47 @@ def timed(cmd: list[str], env: dict, warmup: int, steps: int) -> tuple[float, fl
     return (seen[steps] - seen[warmup]) / (steps - warmup), whole
 
 
+def direct(args) -> None:
+    """--direct: the estimate's cost per step, on and off in turn inside one process (see the docstring)."""
+    import torch
+
+    from zerodp.config import load_config
+    from zerodp.models import build_model
+    from zerodp.strategies import RunContext, make_strategy
+    from zerodp.train import train_step
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    runs = {}
+    for v in SETTINGS:
+        cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),
+                          MODEL + args.overrides + ["strategy.name=single", f"train.grad_noise_scale={v}"])
+        strategy = make_strategy("single")
+        strategy.setup(build_model(cfg.model, device="meta"), RunContext(cfg, 0, 1, 0, cpu, cfg.check_batch_split(1)))
+        runs[v] = strategy
+    t = cfg.train
+    shape = (t.micro_batch_size, cfg.model.block_size + 1)
+    batches = [torch.randint(0, cfg.model.vocab_size, shape) for _ in range(t.global_batch_size // t.micro_batch_size)]
+    micro = [(b[:, :-1], b[:, 1:]) for b in batches]
+    times = {v: [] for v in SETTINGS}
+    for i in range(args.steps):
+        for v in (SETTINGS if i % 2 == 0 else SETTINGS[::-1]):  # ABBA: a drift in load falls on both
+            t0 = time.perf_counter()
+            _, norm, _, local = train_step(runs[v], micro, 1e-4, cpu)
+            torch.stack([norm, local if local is not None else norm]).tolist()  # what the sync point reads
+            times[v].append(time.perf_counter() - t0)
+    on, off = (statistics.median(times[v][2:]) for v in SETTINGS)  # the first steps allocate
+    print(f"\ncommand: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
+    print(f"one process on cpu, model/batch: {' '.join(MODEL + args.overrides)}; {args.steps} steps each, "
+          f"interleaved ABBA, median of steps 3..{args.steps}")
+    print(f"on {on:.4f} s/step, off {off:.4f} s/step, ratio {on / off:.4f}")
+
+
 def main() -> None:
     args = parse_args()
+    if args.direct:
+        direct(args)
+        return
     env = environment(args.device, args.nproc)
     strategies = args.strategies.split(",")
     times = {(s, v): [] for s in strategies for v in SETTINGS}

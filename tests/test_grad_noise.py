@@ -162,6 +162,7 @@ def test_advice_and_when_the_estimate_is_skipped():
     assert "~1,600 sequences (~1,600,000 tokens)" in below
     above = advice(6400, {"sequences": 1600.0, "tokens": 1600.0}, 500)
     assert "is 4x it: a smaller global batch would reach the same loss in fewer tokens" in above
+    assert "near the balance of steps against tokens" in advice(16, {"sequences": 23.0, "tokens": 2944.0}, 500)
     assert "not measurable yet after 3 step(s)" in advice(16, None, 3)
     assert skip_reason(2, 8, 16) == "" and skip_reason(1, 8, 16) == ""
     assert "needs two" in skip_reason(1, 16, 16)

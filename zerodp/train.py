@@ -19,9 +19,9 @@ from zerodp.config import Config, dump_yaml, lr_at
 from zerodp.data import TokenBatches, load_tokens, prefetch, prepared_meta
 from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
 from zerodp.errors import PeerFailure, UserError
-from zerodp.grad_noise import NoiseScale, advice, skip_reason
 from zerodp.faults import (DeviceProbe, Heartbeat, PeerWatch, Preemption, Stopwatch, StragglerMonitor,
                            compute_from_probe)
+from zerodp.grad_noise import NoiseScale, advice, skip_reason
 from zerodp.models import build_model, compile_blocks, flops_per_token, param_count
 from zerodp.sample import sample
 from zerodp.step_metrics import Pending, Throughput, describe_run, fetch_interval, peak_flops
@@ -125,8 +125,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     The summary holds the strategy name, world size, {step: mean loss} of the steps run here, the
     bytes rank-local state held at start, the last step's collectives (`comm`, zerodp.comm), the
     planner's prediction beside what was measured (`planned`), the run's figures (`run`:
-    Throughput.summary, also printed as the last line before the sample), and with `return_weights`
-    the final full fp32 weights."""
+    Throughput.summary, also printed as the last line before the sample, with the last
+    `grad_noise_scale` when one was measured), and with `return_weights` the final full fp32 weights."""
     determinism.apply(cfg.train.deterministic)  # before CUDA computes anything: cuBLAS reads its workspace setting once
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
     grad_accum = cfg.check_batch_split(env.world_size)

@@ -11,8 +11,9 @@ the median of the rounds counts.
 On a machine shared with other jobs the commands' times vary by more than the effect; `--direct`
 then measures the same thing inside one process: two `single` strategies over the same model and
 batch (micro batch 8 of global 16: 2 micro batches, the estimate on in one and off in the other) take
-their steps in turn, ABBA, so that a change in the machine's load falls on both; the median of each
-one's step times (forward, backward, hooks, fetching the norm, optimizer) and their ratio.
+their steps in turn, ABBA, on one thread, timed in this process's CPU seconds (which other jobs on
+the machine do not inflate, as they do wall time); the median of each one's step times (forward,
+backward, hooks, fetching the norm, optimizer), their ratio, and the hooks' own work timed alone.
 
 Prints, per strategy, seconds per step and per command with the estimate on and off, and the ratios
 on / off (1.000 = no overhead; the target is under 1.01).
@@ -122,6 +123,7 @@ def direct(args) -> None:
 
     cpu = torch.device("cpu")
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # CPU seconds of one thread: what the step costs, whatever else runs
     runs = {}
     for v in SETTINGS:
         cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),
@@ -136,15 +138,31 @@ def direct(args) -> None:
     times = {v: [] for v in SETTINGS}
     for i in range(args.steps):
         for v in (SETTINGS if i % 2 == 0 else SETTINGS[::-1]):  # ABBA: a drift in load falls on both
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             _, norm, _, local = train_step(runs[v], micro, 1e-4, cpu)
             torch.stack([norm, local if local is not None else norm]).tolist()  # what the sync point reads
-            times[v].append(time.perf_counter() - t0)
+            times[v].append(time.process_time() - t0)
     on, off = (statistics.median(times[v][2:]) for v in SETTINGS)  # the first steps allocate
     print(f"\ncommand: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     print(f"one process on cpu, model/batch: {' '.join(MODEL + args.overrides)}; {args.steps} steps each, "
-          f"interleaved ABBA, median of steps 3..{args.steps}")
-    print(f"on {on:.4f} s/step, off {off:.4f} s/step, ratio {on / off:.4f}")
+          f"interleaved ABBA on one thread, CPU seconds, median of steps 3..{args.steps}")
+    print(f"on {on:.4f} CPU s/step, off {off:.4f} CPU s/step, ratio {on / off:.4f}")
+    # The hooks' own work, timed alone: one norm per parameter gradient of one micro batch. On a busy
+    # machine the step ratios above vary by more than this; this figure does not depend on the load.
+    model = runs["false"].model
+    model(*micro[0]).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norms = []
+    for _ in range(20):
+        t0 = time.process_time()
+        total = torch.zeros(())
+        for g in grads:
+            total.add_(torch.linalg.vector_norm(g, dtype=torch.float32).square())
+        norms.append(time.process_time() - t0)
+    per_micro = statistics.median(norms)
+    micro_per_step = len(micro)
+    print(f"the hooks' work alone: {len(grads)} norms per micro batch, {per_micro * 1e3:.2f} ms; "
+          f"x {micro_per_step} micro batches = {per_micro * micro_per_step / off:.3%} of the off step")
 
 
 def main() -> None:

@@ -14,6 +14,11 @@ step"): the ring bytes each rank sends per step, measured by zerodp.comm, within
 `comm_bytes` for the run, and the same on every step (ZeRO-3: from step 3 on; its first steps gather
 the persistent parameters and record the trace).
 
+The same runs check the gradient noise scale (zerodp.grad_noise): every strategy, with or without
+activation checkpointing, measures the same estimate at every step as ddp on the same data (to
+NOISE_TOLERANCE: the gradients agree to rounding), though each takes its local norms at another hook
+(docs/grad_noise.md); tests/test_grad_noise.py checks the estimate against per-example gradients.
+
 The peak learning rate is 1e-3 for both families (GPT-2 trains at 6e-4). Adam divides each update by
 sqrt(v): where a gradient is near zero, a rounding difference from summing the same numbers in another
 order (a 4-row mean against two 2-row means) is magnified up to the learning rate. At lr 1e-2 that
@@ -35,6 +40,7 @@ MODELS = {"gpt2": [], "llama": LLAMA}
 MICRO, STEPS = 2, 8
 TOLERANCE = 1e-5
 COMM_TOLERANCE = 0.05
+NOISE_TOLERANCE = 1e-4
 WARMUP = {"zero3": 2}  # steps before a strategy's traffic is the same every step
 
 
@@ -84,10 +90,28 @@ def test_every_strategy_matches_single_process_adamw(tiny, tmp_path, world):
         steady = got["comm_steps"][WARMUP.get(name, 0):]
         report.append(f"{label:16s} world={world} accum={accum}: max |loss diff| {loss_diff:.2e}, "
                       f"max |param diff| {weight_diff:.2e}; comm/step {comm['measured']:,} B sent per rank, "
-                      f"planner {comm['predicted']:,} ({comm_error:.2%}); {got['comm']['comm_bytes']}")
+                      f"planner {comm['predicted']:,} ({comm_error:.2%}); {got['comm']['comm_bytes']}; "
+                      f"grad noise scale {(got['noise'][-1] or {}).get('sequences', float('nan')):.4f} sequences")
         if loss_diff >= TOLERANCE or weight_diff >= TOLERANCE or comm_error > COMM_TOLERANCE:
             failures.append(report[-1])
         if any(c != steady[0] for c in steady):
             failures.append(f"{label} world={world} accum={accum}: traffic differs between steps: {got['comm_steps']}")
+    failures += _noise_differences(results, expected, world)
     print("\n".join(report))
     assert not failures, "\n".join(failures)
+
+
+def _noise_differences(results: list[dict], expected: list[tuple], world: int) -> list[str]:
+    """Runs on the same data (the same reference) whose grad_noise_scale differs from the first's
+    (ddp's) at some step, beyond NOISE_TOLERANCE; and a run without the estimate at every step."""
+    first, out = {}, []
+    for got, (label, _, accum, ref) in zip(results, expected):
+        noise = [n and n["sequences"] for n in got["noise"]]
+        base_label, base = first.setdefault(id(ref), (label, noise))
+        if noise[-1] is None:
+            out.append(f"{label} world={world} accum={accum}: no grad_noise_scale at the last step: {noise}")
+        if any((a is None) != (b is None) or (a is not None and abs(a - b) > NOISE_TOLERANCE * abs(b))
+               for a, b in zip(noise, base)):
+            out.append(f"{label} world={world} accum={accum}: grad_noise_scale {noise} differs from "
+                       f"{base_label}'s {base}")
+    return out

@@ -47,6 +47,7 @@ def test_tensorboard_and_wandb_hold_every_scalar_of_metrics_jsonl(tmp_path):
     scalars = {k for rec in records for k, v in rec.items() if k != "step" and isinstance(v, (int, float))}
     assert "comm_bytes/total" in scalars  # a mapping's numbers under key/sub
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_device", "val_loss"} <= scalars
+    assert {"grad_noise_scale/sequences", "grad_noise_scale/tokens"} <= scalars  # 2 micro batches of 2: two sizes
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

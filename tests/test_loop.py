@@ -89,6 +89,11 @@ def test_no_host_sync_between_log_steps_and_every_step_recorded(tiny, tmp_path):
     assert run["mfu"] == pytest.approx(flops_per_token(cfg.model) * tokens_per_step / median / 0.5e12)
     assert run["data_wait_s"] == pytest.approx(sum(r["data_wait_s"] for r in records))
     assert run["checkpoint_save_s"] > 0  # steps 6 and 12 saved
+    # the gradient noise scale (6 micro batches of 2 against the global 12) came with the same fetches
+    noise = [r["grad_noise_scale"] for r in records if "grad_noise_scale" in r]
+    assert noise and records[-1]["grad_noise_scale"] == run["grad_noise_scale"]
+    assert all(n["sequences"] > 0 and n["tokens"] == pytest.approx(n["sequences"] * cfg.model.block_size)
+               for n in noise)
 
 
 def test_no_mfu_on_a_cpu_without_a_peak():

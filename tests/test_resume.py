@@ -33,6 +33,8 @@ def test_resume_reproduces_uninterrupted_losses(tiny, tmp_path, strategy, world)
     for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "max_step_time_s"):
         assert key in records[-1]
     assert records[-1]["tokens"] == 6 * 12 * 32
+    # the gradient noise scale's averages come back from trainer.json: the estimate continues exactly
+    assert resumed["noise"] == straight["noise"] and straight["noise"][-1]["sequences"] > 0
     meta = checkpoint.read_meta(tmp_path / "split" / "checkpoints" / "step_00000006")
     assert meta["strategy"] == strategy and meta["world_size"] == world and meta["step"] == 6
     assert meta["params"]["transformer.wte.weight"]["shape"] == [256, 32]

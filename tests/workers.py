@@ -22,14 +22,16 @@ def train_runs(runs: list[dict]) -> list[dict]:
     for run in runs:
         cfg = load_config(run.get("config"), run["overrides"])
         summary = train(cfg, fresh=run.get("fresh", True), return_weights=True)
-        # rank 0 writes metrics.jsonl: every step's comm_bytes, to check that each step sends the same
+        # rank 0 writes metrics.jsonl: every step's comm_bytes, to check that each step sends the same,
+        # and its gradient noise scale, to check that every strategy measures the same
         metrics = Path(cfg.train.out_dir) / "metrics.jsonl"
-        steps = [json.loads(x).get("comm_bytes") for x in metrics.read_text().splitlines()] \
-            if dist.get_rank() == 0 else None
+        records = [json.loads(x) for x in metrics.read_text().splitlines()] if dist.get_rank() == 0 else []
+        steps = [r.get("comm_bytes") for r in records] if dist.get_rank() == 0 else None
         results.append({"losses": [summary["losses"][k] for k in sorted(summary["losses"])],
                         "weights": summary["weights"], "state_bytes": summary["state_bytes"],
                         "strategy": summary["strategy"], "comm": summary["comm"],
-                        "comm_steps": steps, "planned": summary["planned"]})
+                        "comm_steps": steps, "planned": summary["planned"],
+                        "noise": [r.get("grad_noise_scale") for r in records]})
     return results
 
 

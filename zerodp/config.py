@@ -176,6 +176,14 @@ class TrainConfig:
     measure_comm: bool = True
     """Count the bytes each step hands to collectives (`comm_bytes` in metrics.jsonl) and compare them
     with the planner's prediction at the end (zerodp/comm.py); false counts nothing."""
+    grad_noise_scale: bool = True
+    """Estimate the gradient noise scale, the critical batch (`grad_noise_scale` in metrics.jsonl, in
+    sequences and tokens, and a line in the run summary; docs/grad_noise.md): from each micro batch's own
+    gradient norm, taken before the reduction, and the reduced one. Costs one norm per parameter per micro
+    batch; false takes none. Needs two batch sizes: skipped on one process without accumulation."""
+    grad_noise_ema: float = 0.99
+    """Decay of the exponential moving averages that smooth the estimate over steps (0.99: about the
+    last 100 steps); in [0, 1), 0 reports each step's own, very noisy, estimate."""
 
 
 @dataclass
@@ -315,6 +323,9 @@ class Config:
         _positive("train.preempt_grace_s", t.preempt_grace_s)
         _positive("train.straggler_margin", t.straggler_margin)
         _positive("train.straggler_patience", t.straggler_patience)
+        if not 0.0 <= t.grad_noise_ema < 1.0:
+            raise ConfigError(f"train.grad_noise_ema={t.grad_noise_ema} must be in [0, 1) (0.99 averages about "
+                              f"the last 100 steps)")
         if not t.out_dir:
             raise ConfigError("train.out_dir is empty; set it to the run directory, e.g. runs/my_run")
         _one_of("strategy.name", s.name, STRATEGIES)

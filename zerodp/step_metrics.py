@@ -34,6 +34,9 @@ class Pending:
     data_wait_s: float
     """Host seconds spent waiting for this step's batch."""
     probe: Stopwatch | None
+    local_grad_sq: torch.Tensor | None = None
+    """This rank's mean micro-batch gradient norm squared before the reduction (strategy.local_grad_sq,
+    zerodp.grad_noise), a 0-d tensor; None where not measured."""
 
 
 def fetch_interval(pending: list[Pending], request_code: float):
@@ -41,16 +44,19 @@ def fetch_interval(pending: list[Pending], request_code: float):
 
     One device sync (the stacked losses and norms to the host; the Stopwatches' CUDA events are done
     then) and one all-gather. Returns (per step: one row per rank of [loss, step seconds, data wait,
-    grad norm, forward seconds, probe seconds]; seconds the all-gather took; the highest preemption
-    request of any rank, 0 for none: the signal of any rank stops all of them)."""
-    on_device = [v.detach().float() for p in pending for v in (p.loss, p.grad_norm) if torch.is_tensor(v)]
+    grad norm, forward seconds, probe seconds, local gradient norm squared (nan where not measured)];
+    seconds the all-gather took; the highest preemption request of any rank, 0 for none: the signal of
+    any rank stops all of them)."""
+    on_device = [v.detach().float() for p in pending for v in (p.loss, p.grad_norm, p.local_grad_sq)
+                 if torch.is_tensor(v)]
     fetched = iter(torch.stack(on_device).tolist())
     values = []
     for p in pending:
         loss = next(fetched)
         norm = next(fetched) if torch.is_tensor(p.grad_norm) else p.grad_norm
+        local_sq = next(fetched) if torch.is_tensor(p.local_grad_sq) else float("nan")
         values += [loss, p.timer.seconds(), p.data_wait_s, norm, p.forward.seconds(),
-                   p.probe.seconds() if p.probe is not None else 0.0]
+                   p.probe.seconds() if p.probe is not None else 0.0, local_sq]
     t0 = time.perf_counter()
     gathered = all_gather_floats(values + [request_code])
     sync_wait = time.perf_counter() - t0

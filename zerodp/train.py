@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distr
 from zerodp.errors import PeerFailure, UserError
 from zerodp.faults import (DeviceProbe, Heartbeat, PeerWatch, Preemption, Stopwatch, StragglerMonitor,
                            compute_from_probe)
+from zerodp.grad_noise import NoiseScale, advice, skip_reason
 from zerodp.models import build_model, compile_blocks, flops_per_token, param_count
 from zerodp.sample import sample
 from zerodp.step_metrics import Pending, Throughput, describe_run, fetch_interval, peak_flops
@@ -144,8 +146,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     The summary holds the strategy name, world size, {step: mean loss} of the steps run here, the
     bytes rank-local state held at start, the last step's collectives (`comm`, zerodp.comm), the
     planner's prediction beside what was measured (`planned`), the run's figures (`run`:
-    Throughput.summary, also printed as the last line before the sample), and with `return_weights`
-    the final full fp32 weights."""
+    Throughput.summary, also printed as the last line before the sample, with the last
+    `grad_noise_scale` when one was measured), and with `return_weights` the final full fp32 weights."""
     determinism.apply(cfg.train.deterministic)  # before CUDA computes anything: cuBLAS reads its workspace setting once
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
     searched = cfg.train.micro_batch_size == "auto"
@@ -192,9 +194,10 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     strategy.setup(model, ctx)
     meter = CommMeter(cfg.train.measure_comm)  # counts the collectives of each step
 
-    start, tokens_seen = 0, 0
+    start, tokens_seen, noise_state = 0, 0, None
     if start_plan.resume_from is not None:
         state = checkpoint.load(strategy, start_plan.resume_from, env.world_size)
+        noise_state = state.get("grad_noise")  # the averages continue (a checkpoint before them has none)
         # an imported checkpoint (zerodp convert --to zerodp) records the step only
         start = state["step"]
         tokens_seen = state.get("tokens", start * cfg.train.global_batch_size * cfg.model.block_size)
@@ -226,6 +229,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     if no_peak:
         log(env, no_peak)
     throughput = Throughput(cfg, env.rank, env.world_size, flops_per_token(cfg.model), peak, tokens_seen)
+    noise = _noise_scale(cfg, env, noise_state)
     bar = _progress(cfg, env, start)
     # A side thread for a peer that stops answering and for a signal while a collective blocks this thread.
     watch = PeerWatch(heartbeat, preemption, cfg.strategy.timeout_s, say=lambda line: _say(bar, line),
@@ -247,11 +251,11 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             lr = lr_at(cfg, step)
             timer = Stopwatch(env.device)
             with meter.step(), timer:
-                local_loss, grad_norm, forward = train_step(strategy, micro_batches, lr, env.device)
+                local_loss, grad_norm, forward, local_sq = train_step(strategy, micro_batches, lr, env.device)
             done = step + 1
             # Nothing below waits for the device until the sync point: the figures stay where they are.
             pending.append(Pending(done, lr, local_loss, grad_norm, timer, forward, t0 - t_end,
-                                   probe.launch() if probe is not None else None))
+                                   probe.launch() if probe is not None else None, local_sq))
             step_comm[done] = meter.record()  # counted on the host as the collectives were issued
             heartbeat.beat(done)  # a write to the job's store, not a device sync
             if not held:  # after the first step, when gradients and optimizer state exist
@@ -274,6 +278,10 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
                 record = throughput.record(p, per_rank, sync_wait if p is pending[-1] else 0.0)
                 record.update(step_comm.pop(p.step, {}))
                 losses[p.step] = record["loss"]
+                if noise is not None:  # the same numbers on every rank: every rank keeps the same averages
+                    estimate = noise.update(statistics.fmean(r[6] for r in per_rank), record["grad_norm"] ** 2)
+                    if estimate is not None:
+                        record["grad_noise_scale"] = estimate
                 found = _find_stragglers(stragglers, per_rank, probe is not None, env)
                 if found:
                     record["stragglers"] = found
@@ -290,7 +298,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             for r in new:
                 _report_step(env, bar, cfg, r)
             if stop or save_now:
-                trainer_state = {"step": done, "tokens": throughput.tokens, "loss": losses[done]}
+                trainer_state = {"step": done, "tokens": throughput.tokens, "loss": losses[done],
+                                 **({"grad_noise": noise.state()} if noise is not None else {})}
                 watch.saving = True  # a signal now waits for the save (within the grace period)
                 t_save = time.perf_counter()
                 checkpoint.save(strategy, out_dir, done, trainer_state, meta, cfg.checkpoint.keep_last)
@@ -324,6 +333,9 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     run = throughput.summary(records, stragglers.waited_s, save_s)
     if run:
         log(env, describe_run(run))
+    if noise is not None and records:
+        run["grad_noise_scale"] = noise.estimate()
+        log(env, advice(cfg.train.global_batch_size, noise.estimate(), noise.steps))
 
     held = held or strategy.state_bytes()
     summary = {"strategy": name, "world_size": env.world_size, "losses": losses, "preempted": stopped_early,
@@ -337,6 +349,19 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
         summary["sample"] = sample(strategy, cfg, env)
         log(env, "sample:\n" + summary["sample"])
     return summary
+
+
+def _noise_scale(cfg: Config, env: DistEnv, state: dict | None) -> NoiseScale | None:
+    """The running gradient noise scale (zerodp.grad_noise), or None when off or not measurable here
+    (said once): the strategies measure the local norms under the same condition."""
+    t = cfg.train
+    if not t.grad_noise_scale:
+        return None
+    why = skip_reason(env.world_size, t.micro_batch_size, t.global_batch_size)
+    if why:
+        log(env, why)
+        return None
+    return NoiseScale(t.micro_batch_size, t.global_batch_size, t.grad_noise_ema, cfg.model.block_size, state)
 
 
 def _report_step(env: DistEnv, bar, cfg: Config, record: dict) -> None:
@@ -381,7 +406,9 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
     """One optimizer step over this rank's micro batches, without waiting for the device.
 
     Returns (mean local loss, a 0-d tensor; global grad norm, a tensor or the float DeepSpeed hands
-    back; a Stopwatch of the forward passes, read after a device sync). Forward time is the straggler
+    back; a Stopwatch of the forward passes, read after a device sync; this rank's own micro-batch
+    gradient norm squared before the reduction, a 0-d tensor, or None where the strategy does not
+    measure it: the small batch of the gradient noise scale). Forward time is the straggler
     signal: under ddp/zero1/zero2 it holds no communication, so a slow rank shows there, while the fast
     ranks' waiting hides inside the backward's gradient reduction."""
     loss_sum = torch.zeros((), device=device)
@@ -393,8 +420,10 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
                 loss = strategy.model(x, y)
             strategy.backward(loss)
         loss_sum += loss.detach().float()
+    local_grad_sq = getattr(strategy, "local_grad_sq", None)  # optional; before step(): the loss scale
+    local_sq = local_grad_sq() if local_grad_sq is not None else None
     grad_norm = strategy.step(lr)
-    return loss_sum / len(micro_batches), grad_norm, forward
+    return loss_sum / len(micro_batches), grad_norm, forward, local_sq
 
 
 @torch.no_grad()

@@ -71,6 +71,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--activation-checkpointing", choices=("on", "off"),
                    help="default: the planner decides (or the config's when it says true)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--from-run", metavar="RUN", help="a zerodp train run directory: its measured critical batch "
+                   "(gradient noise scale) against each world size's global batch (docs/grad_noise.md)")
     p.set_defaults(func=run)
     return p
 
@@ -201,6 +203,9 @@ def build(args):
 
 def run(args) -> int:
     """Print the plan (table, or JSON with --json); return 0. Bad input raises UserError."""
+    if args.from_run is not None:
+        from zerodp.planner import noise
+        return noise.run(args, build)
     plan = build(args)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.table())
     return 0

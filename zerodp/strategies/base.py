@@ -18,6 +18,12 @@ Optional abilities, looked up with getattr where they are used (a strategy witho
                                                        (`zerodp train --dry-run`; setup checks the same)
     resume_at(step)                                   an engine that counts steps itself (DeepSpeed)
                                                        continues from zerodp's step after a resume
+    local_grad_sq() -> Tensor | None                  after the backward passes, before step(): the mean
+                                                       over the step's micro batches of this rank's own
+                                                       micro-batch gradient norm squared, taken before any
+                                                       reduction and unscaled (0-d, on the device; None
+                                                       when not measured): the small batch of the gradient
+                                                       noise scale (docs/grad_noise.md)
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 from pathlib import Path
 
 import torch
@@ -137,3 +138,55 @@ def load_full_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, sta
                     "exp_avg": state.get(n, "exp_avg", p.shape).to(p.device, p.dtype),
                     "exp_avg_sq": state.get(n, "exp_avg_sq", p.shape).to(p.device, p.dtype),
                 }
+
+
+class LocalGradNorms:
+    """This rank's own gradient norm squared per micro batch, before any reduction: the small batch of
+    the gradient noise scale (zerodp.grad_noise). A hook on each parameter (`watch`) sees the gradient
+    of one backward before autograd accumulates it into .grad, so before DDP's reducer, DeepSpeed's
+    and FSDP's reduction hooks, which all run at or after that accumulation; it adds the norm squared
+    to a device scalar (one norm per parameter per micro batch, no host sync). A tied weight's hook sees
+    the sum of its uses' gradients, once."""
+
+    def __init__(self, device: torch.device):
+        self.total = torch.zeros((), device=device)
+        self._watched: dict[int, weakref.ref] = {}  # by id: a Tensor's == is elementwise, no set or WeakSet
+
+    def watch(self, params) -> None:
+        """Hook every parameter of `params` that needs a gradient and is not hooked yet."""
+        for p in params:
+            known = self._watched.get(id(p))
+            if not p.requires_grad or (known is not None and known() is p):
+                continue
+            p.register_hook(self._add)
+            self._watched[id(p)] = weakref.ref(p)
+
+    def _add(self, grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.total.add_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+
+    def take(self, grad_accum_steps: int, loss_scale=1.0) -> torch.Tensor:
+        """The mean over this step's micro batches of |g|^2, g the gradient of one micro batch's mean
+        loss; resets. The hooks saw the gradients of loss / grad_accum_steps x loss_scale (a float or,
+        for torch's GradScaler, the scale tensor: no host sync), which this undoes."""
+        taken, self.total = self.total, torch.zeros_like(self.total)
+        return taken * (grad_accum_steps / loss_scale**2)
+
+
+def grad_scale(scaler: torch.amp.GradScaler):
+    """The loss scale the gradients carry: 1.0, or with fp16 GradScaler's scale tensor, read without a
+    host sync (its public get_scale() calls .item()). Read before scaler.update() changes it."""
+    return scaler._get_scale_async() if scaler.is_enabled() else 1.0
+
+
+def local_grad_norms(ctx, params=()) -> LocalGradNorms | None:
+    """The strategy's LocalGradNorms, watching `params`, when train.grad_noise_scale asks for them and
+    the batch split has two batch sizes to compare (zerodp.grad_noise.skip_reason); else None."""
+    from zerodp.grad_noise import skip_reason
+
+    t = ctx.cfg.train
+    if not t.grad_noise_scale or skip_reason(ctx.world_size, t.micro_batch_size, t.global_batch_size):
+        return None
+    norms = LocalGradNorms(ctx.device)
+    norms.watch(params)
+    return norms

@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 from zerodp.models import materialise
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.common import (FullState, autocast_context, load_full_replicated, load_replicated,
-                                      replicated_state_bytes, replicated_step, save_replicated)
+from zerodp.strategies.common import (FullState, autocast_context, grad_scale, load_full_replicated, load_replicated,
+                                      local_grad_norms, replicated_state_bytes, replicated_step, save_replicated)
 
 
 class DDPStrategy:
@@ -42,6 +42,9 @@ class DDPStrategy:
             self.model.register_comm_hook(None, _mean_allreduce)
         self.optimizer = torch.optim.AdamW(param_groups(self.module, ctx.cfg), **adamw_kwargs(ctx.cfg))
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
+        # Parameter hooks, not the comm hook: a bucket holds the micro batches' sum under no_sync, and the
+        # hooks see each micro batch's gradient, the small batch every strategy measures (docs/grad_noise.md).
+        self.local_norms = local_grad_norms(ctx, self.module.parameters())
 
     def micro_step(self, is_last: bool):
         # no_sync must cover forward and backward: DDP decides in forward whether to reduce.
@@ -52,6 +55,11 @@ class DDPStrategy:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss / self.ctx.grad_accum_steps).backward()
+
+    def local_grad_sq(self) -> torch.Tensor | None:
+        """This step's mean over micro batches of the rank's own gradient norm squared (before the
+        reduction; zerodp.grad_noise), or None when not measured. Call before step()."""
+        return self.local_norms.take(self.ctx.grad_accum_steps, grad_scale(self.scaler)) if self.local_norms else None
 
     def step(self, lr: float) -> torch.Tensor:
         return replicated_step(self.module, self.optimizer, self.scaler, lr, self.ctx.cfg.optim.grad_clip)

@@ -35,7 +35,8 @@ from zerodp.convert.safeload import safe_dcp_planner, safe_dcp_reader
 from zerodp.errors import CheckpointError, UserError
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.common import DTYPES, FullState, optimizer_state_tensors, set_lr, tensor_bytes
+from zerodp.strategies.common import (DTYPES, FullState, grad_scale, local_grad_norms, optimizer_state_tensors, set_lr,
+                                      tensor_bytes)
 
 CKPT_FORMAT = 1
 DCP_DIR = "dcp"  # torch.distributed.checkpoint folder inside the checkpoint
@@ -122,6 +123,10 @@ class FSDPStrategy:
         for unit in [*self.model.blocks(), self.model]:
             # Runs after FSDP's own pre-forward hook (prepended), so the unit's parameters are gathered.
             unit.register_forward_pre_hook(self._measure_unsharded)
+        self.local_norms = local_grad_norms(ctx)
+        if self.local_norms is not None:
+            for unit in [*self.model.blocks(), self.model]:
+                unit.register_forward_pre_hook(self._watch_unsharded)
 
     @torch.no_grad()
     def _initialise(self, seed: int) -> None:
@@ -137,6 +142,17 @@ class FSDPStrategy:
         """Bytes of parameters currently gathered (plain tensors, not DTensor shards), all units."""
         live = tensor_bytes(p for p in self.model.parameters() if not isinstance(p, DTensor))
         self._unsharded_peak = max(self._unsharded_peak, live)
+
+    def _watch_unsharded(self, module: nn.Module, args) -> None:
+        """Hook the unit's unsharded parameters (after FSDP's pre-forward: they are what autograd reaches;
+        the DTensor shards never see a local gradient): their gradients are each rank's own, full, in the
+        compute dtype, before the post-backward reduce-scatters them. Registered once per tensor."""
+        self.local_norms.watch(p for p in module.parameters() if not isinstance(p, DTensor))
+
+    def local_grad_sq(self) -> torch.Tensor | None:
+        """This step's mean over micro batches of the rank's own gradient norm squared (before the
+        reduction; zerodp.grad_noise), or None when not measured. Call before step()."""
+        return self.local_norms.take(self.ctx.grad_accum_steps, grad_scale(self.scaler)) if self.local_norms else None
 
     def micro_step(self, is_last: bool):
         # By default every micro batch's backward reduce-scatters into the sharded fp32 gradients, which

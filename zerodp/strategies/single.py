@@ -11,8 +11,8 @@ from torch import nn
 from zerodp.models import materialise
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.common import (FullState, autocast_context, load_full_replicated, load_replicated,
-                                      replicated_state_bytes, replicated_step, save_replicated)
+from zerodp.strategies.common import (FullState, autocast_context, grad_scale, load_full_replicated, load_replicated,
+                                      local_grad_norms, replicated_state_bytes, replicated_step, save_replicated)
 
 
 class SingleStrategy:
@@ -26,6 +26,7 @@ class SingleStrategy:
         self.optimizer = torch.optim.AdamW(param_groups(self.model, ctx.cfg), **adamw_kwargs(ctx.cfg))
         # fp16 needs dynamic loss scaling; bf16 and fp32 do not (scaler disabled = identity).
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
+        self.local_norms = local_grad_norms(ctx, self.model.parameters())  # one process: micro batch vs global
 
     def micro_step(self, is_last: bool):
         return contextlib.nullcontext()
@@ -35,6 +36,11 @@ class SingleStrategy:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss / self.ctx.grad_accum_steps).backward()
+
+    def local_grad_sq(self) -> torch.Tensor | None:
+        """This step's mean over micro batches of the rank's own gradient norm squared (before the
+        reduction; zerodp.grad_noise), or None when not measured. Call before step()."""
+        return self.local_norms.take(self.ctx.grad_accum_steps, grad_scale(self.scaler)) if self.local_norms else None
 
     def step(self, lr: float) -> torch.Tensor:
         return replicated_step(self.model, self.optimizer, self.scaler, lr, self.ctx.cfg.optim.grad_clip)

@@ -26,7 +26,7 @@ from zerodp.config import Config
 from zerodp.errors import UserError
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.common import FullState, optimizer_state_tensors, set_lr, tensor_bytes
+from zerodp.strategies.common import FullState, local_grad_norms, optimizer_state_tensors, set_lr, tensor_bytes
 from zerodp.strategies.zeropp import (check_quantizer, drop_secondary_partitions, hpz_group, hpz_partition_size,
                                       ranks_per_node)
 
@@ -186,6 +186,9 @@ class ZeroStrategy:
         self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config)
         self.module = self.model.module
         self._initialise(model, ctx.cfg.train.seed)
+        # Hooks on the module's parameters run before the engine's own (on autograd's gradient
+        # accumulators): each micro batch's gradient, full size under ZeRO-3 too, before any reduction.
+        self.local_norms = local_grad_norms(ctx, self.module.parameters())
 
     def _materialise(self, model: nn.Module, config: dict) -> nn.Module:
         """The meta-device `model` made real as this stage keeps it. ZeRO-1/2 hold the whole working copy:
@@ -247,6 +250,15 @@ class ZeroStrategy:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.model.backward(loss)  # divides by gradient_accumulation_steps and multiplies by the loss scale
+
+    def local_grad_sq(self) -> torch.Tensor | None:
+        """This step's mean over micro batches of the rank's own gradient norm squared (before the
+        reduction; zerodp.grad_noise), or None when not measured. Call before step(): the engine
+        divided the loss by the accumulation steps and, with fp16, multiplied it by a loss scale that
+        step() may change."""
+        if self.local_norms is None:
+            return None
+        return self.local_norms.take(self.ctx.grad_accum_steps, getattr(self.model.optimizer, "loss_scale", 1.0))
 
     def step(self, lr: float) -> float:
         set_lr(self.optimizer, lr)

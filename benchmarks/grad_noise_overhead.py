@@ -23,23 +23,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
+
+# benchmarks/loop_overhead.py's GPT (a step of about half a second on 2 CPU processes, against which one
+# norm per parameter per micro batch is measured), environment, launch and step-line timer
+from loop_overhead import MODEL, ROOT, environment, seconds_per_step, torchrun
 
 from zerodp.errors import OneLineParser
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP_LINE = re.compile(r"step (\d+)/(\d+): loss")
-# benchmarks/loop_overhead.py's GPT: a step of about half a second on 2 CPU processes, against which
-# one norm per parameter per micro batch is measured.
-MODEL = ["model.n_layer=4", "model.n_head=4", "model.n_embd=256", "model.block_size=256", "model.vocab_size=256",
-         "train.global_batch_size=16", "train.micro_batch_size=8", "data.max_bytes=1000000", "optim.warmup_steps=5"]
 SETTINGS = ("true", "false")
 
 
@@ -66,50 +60,12 @@ def parse_args():
     return args
 
 
-def environment(device: str, nproc: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-    if device == "cpu":  # DeepSpeed's CPU accelerator, no GPU, and the cores shared out
-        env.update(CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu",
-                   OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
-    return env
-
-
 def command(strategy: str, setting: str, args, out_dir: str) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "-m", "zerodp", "train", "configs/tiny.yaml", *MODEL, *args.overrides, f"strategy.name={strategy}",
-            f"train.grad_noise_scale={setting}", f"train.max_steps={args.steps}", f"train.log_every={args.log_every}",
-            f"train.device={args.device}", "train.progress=false", "train.eval_every=0", "train.sample_tokens=0",
-            "checkpoint.every=0", f"train.out_dir={out_dir}", "--fresh"]
-
-
-def timed(cmd: list[str], env: dict, warmup: int, steps: int) -> tuple[float, float]:
-    """Run `cmd`: (seconds per step from its step lines, seconds for the whole command)."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    seen: dict[int, float] = {}
-    tail: list[str] = []
-
-    def read():
-        for line in proc.stdout:
-            now = time.perf_counter()
-            tail.append(line)
-            m = STEP_LINE.search(line)
-            if m:
-                seen.setdefault(int(m.group(1)), now)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    code = proc.wait()
-    reader.join()
-    whole = time.perf_counter() - t0
-    if code != 0 or warmup not in seen or steps not in seen:
-        raise SystemExit(f"grad_noise_overhead.py: error: {' '.join(cmd)} exited {code} (steps seen: "
-                         f"{sorted(seen)}):\n{''.join(tail[-30:])}")
-    return (seen[steps] - seen[warmup]) / (steps - warmup), whole
+    return torchrun(args.nproc) + [
+        "-m", "zerodp", "train", "configs/tiny.yaml", *MODEL, *args.overrides, f"strategy.name={strategy}",
+        f"train.grad_noise_scale={setting}", f"train.max_steps={args.steps}", f"train.log_every={args.log_every}",
+        f"train.device={args.device}", "train.progress=false", "train.eval_every=0", "train.sample_tokens=0",
+        "checkpoint.every=0", f"train.out_dir={out_dir}", "--fresh"]
 
 
 def direct(args) -> None:
@@ -177,7 +133,8 @@ def main() -> None:
         for r in range(args.rounds):
             for s in strategies:
                 for v in SETTINGS[r % 2:] + SETTINGS[:r % 2]:  # each setting goes first in turn
-                    t = timed(command(s, v, args, os.path.join(tmp, f"{s}-{v}-{r}")), env, args.warmup, args.steps)
+                    t = seconds_per_step(command(s, v, args, os.path.join(tmp, f"{s}-{v}-{r}")), env, args.warmup,
+                                         args.steps)
                     times[(s, v)].append(t)
                     print(f"round {r + 1}/{args.rounds} {s:6s} grad_noise_scale={v:5s} {t[0]:.4f} s/step, "
                           f"{t[1]:.1f} s command", file=sys.stderr, flush=True)

@@ -84,8 +84,10 @@ def torchrun(nproc: int) -> list[str]:
             "--master-addr", "127.0.0.1", "--master-port", str(port)]
 
 
-def seconds_per_step(cmd: list[str], env: dict, warmup: int, steps: int) -> float:
-    """Run `cmd`; time its step lines as they arrive; (t_steps - t_warmup) / (steps - warmup)."""
+def seconds_per_step(cmd: list[str], env: dict, warmup: int, steps: int) -> tuple[float, float]:
+    """Run `cmd`; time its step lines as they arrive: ((t_steps - t_warmup) / (steps - warmup), seconds
+    for the whole command)."""
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: dict[int, float] = {}
     tail: list[str] = []
@@ -102,10 +104,11 @@ def seconds_per_step(cmd: list[str], env: dict, warmup: int, steps: int) -> floa
     reader.start()
     code = proc.wait()
     reader.join()
+    whole = time.perf_counter() - t0
     if code != 0 or warmup not in seen or steps not in seen:
-        raise SystemExit(f"loop_overhead.py: error: {' '.join(cmd)} exited {code} (steps seen: "
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: error: {' '.join(cmd)} exited {code} (steps seen: "
                          f"{sorted(seen)}):\n{''.join(tail[-30:])}")
-    return (seen[steps] - seen[warmup]) / (steps - warmup)
+    return (seen[steps] - seen[warmup]) / (steps - warmup), whole
 
 
 def command(variant: str, strategy: str, args, out_dir: str) -> list[str]:
@@ -132,7 +135,7 @@ def main_outside(args) -> None:
                 order = VARIANTS[r % 3:] + VARIANTS[:r % 3]  # each variant goes first in turn
                 for v in order:
                     run = lambda: seconds_per_step(command(v, s, args, os.path.join(tmp, f"{s}-{r}")), env,  # noqa: E731
-                                                   args.warmup, args.steps)
+                                                   args.warmup, args.steps)[0]
                     try:
                         t = run()
                     except SystemExit as failed:  # a shared machine's flake (a rank aborted): said, and run again

@@ -177,11 +177,11 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             _set_aside_checkpoints(env, out_dir)
         (out_dir / "config.yaml").write_text(dump_yaml(cfg))  # resolved: auto replaced by the choice
     dist.barrier()
-    if plan is not None and not searched:  # after the input checks: a bad input stays a one-line error
-        log(env, "strategy.name=auto, the planner's table:\n" + plan.table())
-    elif plan is not None:
-        log(env, "train.micro_batch_size=auto, the planner's table:\n" + plan.table())
-        log(env, micro_batch_line(plan))
+    if plan is not None:  # after the input checks: a bad input stays a one-line error
+        what = "train.micro_batch_size=auto" if searched else "strategy.name=auto"
+        log(env, f"{what}, the planner's table:\n" + plan.table())
+        if searched:
+            log(env, micro_batch_line(plan))
 
     torch.manual_seed(cfg.train.seed)  # the same dropout streams as one process
     # Start-up: the model is built on the meta device (no memory); the strategy materialises only what

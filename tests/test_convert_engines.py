@@ -16,6 +16,7 @@ from zerodp.checkpoint import sha256_file
 from zerodp.convert import open_checkpoint, write_safetensors, write_zerodp
 from zerodp.convert.hf import SafetensorsSource
 
+BLOCK = 64  # bytes per hashed block in the per-block tests: the tiny models' tensors are a few hundred
 CONFIGS = [[1, False], [1, True], [2, False], [2, True], [3, False], [3, True]]
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -136,3 +137,102 @@ def test_truncated_dcp_and_deepspeed_files_are_named(ds_run, dcp_dir, tmp_path):
     with pytest.raises(CheckpointError, match=r"zero_pp_rank_1_mp_rank_00_optim_states\.pt is truncated or corrupted"):
         src = open_checkpoint(ds)
         src.get("wte.weight")
+
+
+@pytest.mark.parametrize("key", [f"s{stage}_{int(bf16)}" for stage, bf16 in CONFIGS] + ["dcp"])
+def test_stored_tensors_are_located_in_their_files_and_copied_from_there(ds_run, dcp_dir, tmp_path, monkeypatch, key):
+    """Every weight and moment of a DeepSpeed or DCP folder is found in its files as stored
+    (`locate`); those bytes are `get`'s tensor; and a conversion that keeps the dtype copies them file
+    to file without reading one tensor, the same bytes as through the read-and-write fallback."""
+    from safetensors.torch import load_file
+
+    from zerodp.convert import source as source_module
+
+    src = open_checkpoint(dcp_dir if key == "dcp" else ds_run[0] / key)
+    trained = [n for n in src.param_names() if src.has(n, "exp_avg")]
+    assert len(trained) >= 3
+    for n in trained:
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            where = src.locate(n, kind)
+            assert where is not None, (n, kind)
+            data = b"".join(open(p, "rb").read()[at:at + k] for p, at, k in where.ranges)
+            want = src.get(n, kind)
+            assert len(data) == want.numel() * want.element_size(), (n, kind)
+            got = torch.frombuffer(bytearray(data), dtype=want.dtype).view(want.shape)
+            assert torch.equal(got, want), (n, kind)
+    if key != "dcp":
+        assert max(len(src.locate(n).ranges) for n in trained) == 2  # some parameter is cut over the 2 ranks
+    reads, get_many = [], type(src).get_many
+    monkeypatch.setattr(type(src), "get_many", lambda self, requests: reads.extend(requests) or
+                        get_many(self, requests))
+    copied = write_safetensors(src, tmp_path / "copied", progress=False)[0]
+    assert not [n for n, _ in reads if n in trained]  # no weight was read into memory
+    out = load_file(copied)
+    assert all(torch.equal(out[n], src.get(n)) for n in trained)
+    monkeypatch.setattr(source_module, "_KERNEL_COPY", [False])
+    fallback = write_safetensors(src, tmp_path / "fallback", progress=False)[0]
+    assert copied.read_bytes() == fallback.read_bytes()
+
+
+def _zerodp_step_around(files_dir, step, block):
+    """A zerodp step folder holding a copy of `files_dir` (DeepSpeed's or DCP's files), its manifest with
+    per-block sha256 of `block` bytes."""
+    from zerodp.manifest import file_record
+
+    shutil.copytree(files_dir, step / "inner")
+    (step / "trainer.json").write_text('{"step": 3}')
+    files = {str(p.relative_to(step)): file_record(p, block) for p in sorted(step.rglob("*")) if p.is_file()}
+    assert any("blocks" in r for r in files.values())
+    meta = {"format_version": 1, "strategy": "zero1", "world_size": 2, "step": 3, "config": {}, "params": {},
+            "tied": {"head.weight": "wte.weight"}, "files": files}
+    (step / "meta.json").write_text(json.dumps(meta))
+    return step
+
+
+def _flip(path, at):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("key", ["s1_0", "s3_1", "dcp"])
+def test_a_weights_only_conversion_checks_the_blocks_it_reads(ds_run, dcp_dir, tmp_path, key):
+    """Per-block sha256 in the manifest: a conversion to safetensors hashes the blocks holding weights
+    (and the files' metadata) and leaves out those wholly inside the optimizer moments (and DeepSpeed's
+    module copy of the weights). A byte flipped in a moment then changes nothing it writes and is not
+    reported (it is by zerodp's own resume check and by --to zerodp); one flipped in a weight is."""
+    from safetensors.torch import load_file
+
+    from zerodp import manifest
+    from zerodp.errors import CheckpointError
+
+    files_dir = dcp_dir if key == "dcp" else ds_run[0] / key / "global_step3"
+    step = _zerodp_step_around(files_dir, tmp_path / "step_00000003", BLOCK)
+    total = sum(p.stat().st_size for p in step.rglob("*") if p.is_file() and p.name != "meta.json")
+
+    src = open_checkpoint(step, verify_deep=True, hash_beside_reads=True)
+    want = {n: src.get(n) for n in src.param_names()}
+    write_safetensors(src, tmp_path / "clean", progress=False)
+    trained = [n for n in src.param_names() if src.has(n, "exp_avg")]
+    moments = [r for n in trained for k in ("exp_avg", "exp_avg_sq") for r in src.locate(n, k).ranges]
+    # every block wholly inside a moment is left out: at most the two partial blocks at its ends are hashed
+    bound = total - sum(n for _, _, n in moments) + 2 * BLOCK * len(moments)
+    assert src._check.hashed_bytes <= bound < total, (src._check.hashed_bytes, bound, total)
+    moment = max(trained, key=lambda n: src.info(n).numel)
+    path, at, n = src.locate(moment, "exp_avg_sq").ranges[0]
+    _flip(path, at + n // 2)
+    src = open_checkpoint(step, verify_deep=True, hash_beside_reads=True)
+    out = load_file(write_safetensors(src, tmp_path / "moment-flipped", progress=False)[0])
+    assert all(torch.equal(out[k], want[k]) for k in out)
+    assert "fails its sha256 check" in manifest.verify(step)
+    with pytest.raises(CheckpointError, match=r"fails its sha256 check \(corrupted in bytes"):
+        write_zerodp(open_checkpoint(step, verify_deep=True, hash_beside_reads=True), tmp_path / "z", progress=False)
+
+    path, at, n = src.locate(moment, "param").ranges[0]
+    _flip(path, at + n // 2)
+    with pytest.raises(CheckpointError, match=r"fails its sha256 check \(corrupted in bytes"):
+        write_safetensors(open_checkpoint(step, verify_deep=True, hash_beside_reads=True), tmp_path / "w",
+                          progress=False)
+    assert not (tmp_path / "w").exists()

@@ -211,23 +211,52 @@ def test_earlier_zerodp_conversion_is_replaced_once_the_new_one_is_complete(run,
     assert staging_left(tmp_path) == []
 
 
-def test_ctrl_c_midway_leaves_the_old_export_intact(run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("path", ["read", "kernel copy"])
+def test_ctrl_c_midway_leaves_the_old_export_intact(run, tmp_path, monkeypatch, path):
+    """Interrupted on the third tensor, whether tensors are read and cast (--dtype bf16) or copied file
+    to file as stored."""
+    from zerodp.convert import source as source_module
     from zerodp.convert.zerodp_ckpt import ZerodpSource
 
     export = tmp_path / "export"
     write_safetensors(open_checkpoint(run / STEP2), export, progress=False)
     before = snapshot(export)
-    real, calls = ZerodpSource.get, []
+    owner, attr = (ZerodpSource, "get") if path == "read" else (source_module, "copy_ranges")
+    real, calls = getattr(owner, attr), []
 
-    def interrupted(self, *args, **kwargs):
+    def interrupted(*args, **kwargs):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(self, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(ZerodpSource, "get", interrupted)
-    assert main(["convert", str(run / STEP4), str(export), "--overwrite", "--no-progress"]) == 130
+    monkeypatch.setattr(owner, attr, interrupted)
+    dtype = ["--dtype", "bf16"] if path == "read" else []
+    assert main(["convert", str(run / STEP4), str(export), "--overwrite", "--no-progress", *dtype]) == 130
     assert len(calls) == 3 and snapshot(export) == before and staging_left(tmp_path) == []
+
+
+def test_source_truncated_during_a_kernel_copy_leaves_the_old_export_intact(run, tmp_path, monkeypatch, capsys):
+    """A source file cut short while its tensors are copied file to file: one line, exit 2, the old
+    export as it was."""
+    from zerodp.convert import source as source_module
+
+    export = tmp_path / "export"
+    write_safetensors(open_checkpoint(run / STEP2), export, progress=False)
+    before = snapshot(export)
+    real, calls = source_module.copy_ranges, []
+
+    def truncating(where, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            os.truncate(where.ranges[0][0], where.ranges[0][1] + 4)  # the rest of the file is gone
+        return real(where, *args)
+
+    monkeypatch.setattr(source_module, "copy_ranges", truncating)
+    assert main(["convert", str(run / STEP4), str(export), "--overwrite", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.safetensors" in err, err
+    assert snapshot(export) == before and staging_left(tmp_path) == []
 
 
 def test_source_damaged_midway_leaves_the_old_conversion_intact(run, tmp_path, monkeypatch, capsys):

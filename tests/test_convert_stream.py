@@ -4,6 +4,7 @@ error reaches the writer's thread."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
@@ -85,7 +86,7 @@ def test_background_hashing_stopped_or_failed_never_passes(tmp_path, monkeypatch
 
     folder = manifest_folder(tmp_path / "c")
 
-    def endless(path, stop=None):  # hashes until told to stop
+    def endless(path, stop=None, start=0, length=None):  # hashes until told to stop
         stop.wait()
         return ""
     monkeypatch.setattr(manifest, "sha256_file", endless)
@@ -93,7 +94,7 @@ def test_background_hashing_stopped_or_failed_never_passes(tmp_path, monkeypatch
     check.cancel()
     assert "stopped before it finished" in check.result()
 
-    def broken(path, stop=None):
+    def broken(path, stop=None, start=0, length=None):
         raise MemoryError  # a hashing thread that dies without a verdict
     monkeypatch.setattr(manifest, "sha256_file", broken)
     assert "did not finish" in manifest.BackgroundVerify(folder).result()
@@ -208,3 +209,16 @@ def test_dcp_chunks_are_read_straight_into_place_and_other_layouts_through_dcp_l
     os.truncate(data, 1000)  # inside the first chunk
     with pytest.raises(CheckpointError, match="truncated"):
         src._load_many(["w", "h"])
+
+
+def test_a_file_record_has_the_sha256_of_the_file_and_of_each_block(tmp_path):
+    from zerodp.manifest import _inside, file_record
+
+    data = os.urandom(10_000)
+    (tmp_path / "f").write_bytes(data)
+    rec = file_record(tmp_path / "f", block=4096)
+    assert rec["bytes"] == 10_000 and rec["sha256"] == hashlib.sha256(data).hexdigest()
+    assert rec["block_bytes"] == 4096 and rec["blocks"] == [hashlib.sha256(data[i:i + 4096]).hexdigest()
+                                                            for i in (0, 4096, 8192)]
+    assert "blocks" not in file_record(tmp_path / "f", block=10_000)  # one block: the file's own hash
+    assert _inside(100, 200, [(150, 100), (0, 150)]) and not _inside(100, 200, [(0, 150), (151, 100)])

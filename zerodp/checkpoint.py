@@ -31,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from zerodp.dist import broadcast_object
 from zerodp.errors import CheckpointError
 
-from zerodp.manifest import FORMAT_VERSION, META, sha256_file, verify  # noqa: F401  (part of this API)
+from zerodp.manifest import FORMAT_VERSION, META, file_record, sha256_file, verify  # noqa: F401  (part of this API)
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
@@ -138,7 +138,7 @@ def _manifest_share(tmp: Path, rank: int, world: int) -> dict:
             os.chmod(p, mode)
         with open(p, "rb") as f:
             os.fsync(f.fileno())
-        share[str(p.relative_to(tmp))] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        share[str(p.relative_to(tmp))] = file_record(p)
     return share
 
 

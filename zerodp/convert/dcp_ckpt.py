@@ -18,7 +18,7 @@ import torch
 
 from zerodp.convert import dcp_chunks
 from zerodp.convert.safeload import read_dcp_metadata, safe_dcp_planner, safe_dcp_reader
-from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, check_kind
+from zerodp.convert.source import MOMENTS, CheckpointSource, FileRanges, TensorInfo, check_kind
 from zerodp.errors import CheckpointError
 
 _OPT = re.compile(r"^(optim\.|optimizer\.|optimizers\.)?state\.(.+)\.(exp_avg|exp_avg_sq|step)$")
@@ -192,6 +192,47 @@ class DcpSource(CheckpointSource):
     def get_many(self, requests: list[tuple[str, str]]) -> list[torch.Tensor]:
         tensors = self._load_many([self._key(n, k) for n, k in requests])
         return [t if k == "param" else t.float() for t, (_, k) in zip(tensors, requests)]
+
+    def locate(self, name: str, kind: str = "param") -> FileRanges | None:
+        """The chunks' data in the .distcp files, when they are whole rows of the tensor in row order (how
+        FSDP shards on dim 0) stored in the dtype `get` returns; None otherwise."""
+        try:
+            key = self._key(name, kind)
+        except KeyError:
+            return None
+        md = self.meta_of[key]
+        dtype, size = md.properties.dtype, tuple(md.size)
+        if kind != "param" and dtype != torch.float32:
+            return None  # `get` returns the moments as fp32
+        ranges, row = [], 0
+        for chunk in sorted(md.chunks, key=lambda c: tuple(c.offsets)):
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if size and (offsets[0] != row or any(offsets[1:]) or sizes[1:] != size[1:]):
+                return None
+            where = self._chunk_at.get((key, offsets))
+            if where is None or getattr(where, "transform_descriptors", None):
+                return None
+            try:
+                at = dcp_chunks.chunk_bytes(self._fd(where.relative_path), where.offset, where.length, dtype, sizes)
+            except dcp_chunks.Unsupported:
+                return None
+            n = dtype.itemsize
+            for s in sizes:
+                n *= s
+            ranges.append((str(self.path / where.relative_path), at, n))
+            row += sizes[0] if size else 1
+        if (size and row != size[0]) or (not size and len(ranges) != 1):
+            return None
+        return FileRanges(tuple(ranges))
+
+    def unread_ranges(self, kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
+        ranges = []
+        for kind in MOMENTS:
+            if kind not in kinds:
+                for n in self.key_of:
+                    where = self.locate(n, kind)
+                    ranges += where.ranges if where is not None else []
+        return ranges
 
     def step(self, name: str | None = None) -> float | None:
         if name is None:

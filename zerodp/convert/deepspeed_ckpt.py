@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from zerodp.convert.safeload import safe_torch_load
-from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, check_kind
+from zerodp.convert.source import MOMENTS, CheckpointSource, FileRanges, TensorInfo, check_kind
 from zerodp.errors import CheckpointError
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -68,6 +68,24 @@ def file_mappings(path: Path) -> list[tuple[int, int]]:
             lo, hi = fields[0].split("-")
             ranges.append((int(lo, 16), int(hi, 16)))
     return ranges
+
+
+def file_offset(t: torch.Tensor, path: Path) -> int | None:
+    """The offset in `path` of tensor `t`'s first byte, when `t` lies in this process's mapping of that
+    file (torch.load(mmap=True) maps a rank file whole; its stored records are uncompressed); else None."""
+    want, ptr = str(Path(path).resolve()), t.data_ptr()
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == want:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr and ptr + t.numel() * t.element_size() <= hi:
+                return ptr - lo + int(fields[2], 16)
+    return None
 
 
 def drop_pages(t: torch.Tensor, mapped: list[tuple[int, int]]) -> bool:
@@ -164,6 +182,7 @@ class DeepSpeedSource(CheckpointSource):
             raise CheckpointError(f"{found}: optimizer files for ranks {sorted(by_rank)}; some rank's file is missing")
         self.optim_files = [by_rank[r] for r in range(len(by_rank))]
         self.ranks = _Ranks(self.optim_files)
+        self._flat_at: dict[tuple[int, int, str], int | None] = {}  # (rank, group, kind) -> file offset (locate)
         osd0 = self.ranks.osd(0)
         stage = int(osd0.get("zero_stage", -1))
         pc = osd0.get("partition_count")
@@ -183,6 +202,12 @@ class DeepSpeedSource(CheckpointSource):
             {n: tuple(s) for n, s in g.items()} for g in ms["param_shapes"]]
         self._infos = {n: TensorInfo(s, torch.float32) for g in self.shapes_by_group for n, s in g.items()}
         self._buffers = {n: ms["module"][n] for n in ms.get("buffer_names") or [] if n in ms["module"]}
+        # The module's own copy of the trained weights (bf16 or fp32, ZeRO-1/2): never read, the fp32
+        # partitions are; where it lies, for a check of only what is read (unread_ranges)
+        self._module_ranges = []
+        for n, t in ms["module"].items():
+            if n in self._infos and t.numel() > 0 and (at := file_offset(t, model_file)) is not None:
+                self._module_ranges.append((str(model_file), at, t.numel() * t.element_size()))
         self._frozen = dict(ms.get("frozen_param_shapes") or {})
         tied = {k: v for k, v in (ms.get("shared_params") or {}).items()}
         if stage == 3 and not tied:  # ZeRO-3 records no shared_params: an alias shares its storage
@@ -338,6 +363,36 @@ class DeepSpeedSource(CheckpointSource):
                 self.ranks.touch(4 * n)
         assert at == info.numel, (name, at, info.numel)
         return out.view(info.shape)
+
+    def locate(self, name: str, kind: str = "param") -> FileRanges | None:
+        """A parameter's pieces in the rank files: each a run of fp32 elements inside one flat partition
+        (its offset read from where the mmap'd partition lies). None for buffers and frozen parameters."""
+        if name not in self._infos:
+            return None
+        key = "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups"
+        ranges = []
+        for r, g, start, n in self.pieces[name]:
+            if (r, g, kind) not in self._flat_at:  # each flat partition's place in its file, found once
+                flat = self.ranks.osd(r)[key][g] if kind == "param" else self._state(r, g)[kind]
+                ok = flat.dtype == torch.float32 and flat.is_contiguous()
+                self._flat_at[(r, g, kind)] = file_offset(flat, self.optim_files[r]) if ok else None
+            at = self._flat_at[(r, g, kind)]
+            if at is None:
+                return None
+            ranges.append((str(self.optim_files[r]), at + 4 * start, 4 * n))
+        return FileRanges(tuple(ranges))
+
+    def unread_ranges(self, kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
+        ranges = list(self._module_ranges)
+        for kind in MOMENTS:
+            if kind not in kinds:
+                for n in self._infos:
+                    try:
+                        where = self.locate(n, kind)
+                    except CheckpointError:  # no optimizer state saved: nothing there to leave out
+                        return ranges
+                    ranges += where.ranges if where is not None else []
+        return ranges
 
     def step(self, name: str | None = None) -> float | None:
         if name is None or name not in self._infos:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from zerodp.convert.source import CheckpointSource, SafetensorsFile, TensorInfo, check_kind
+from zerodp.convert.source import CheckpointSource, FileRanges, SafetensorsFile, TensorInfo, check_kind
 from zerodp.errors import CheckpointError, UserError
 
 INDEX = "model.safetensors.index.json"
@@ -129,6 +129,9 @@ class SafetensorsSource(CheckpointSource):
         if kind != "param":
             raise KeyError(f"{self.path} holds weights only, no {kind} for {name}")
         return self.where[name].read(name)
+
+    def locate(self, name: str, kind: str = "param") -> FileRanges | None:
+        return self.where[name].locate(name) if kind == "param" else None
 
     def files(self) -> list[Path]:
         extra = [self.path] if self.index else []

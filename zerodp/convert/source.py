@@ -9,6 +9,7 @@ master weights for DeepSpeed, DCP and zerodp; the file's dtype for safetensors),
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -41,6 +42,20 @@ class TensorInfo:
         return self.numel * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class FileRanges:
+    """Where a stored tensor's bytes lie on disk, in its own row-major order: (file, offset, length)
+    ranges which, read one after the other, give the tensor as `get` would return it (same dtype and
+    shape). A writer whose output keeps that dtype and layout copies them file to file in the kernel
+    (`copy_ranges`) instead of reading them into memory."""
+
+    ranges: tuple[tuple[str, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, _, n in self.ranges)
+
+
 class CheckpointSource:
     """Base of every reader. Subclasses fill `format`, `path`, `meta` and the methods marked so."""
 
@@ -65,6 +80,23 @@ class CheckpointSource:
     def confirm(self) -> None:
         """Wait for an integrity check running beside the reads (zerodp's sha256 manifest) and raise
         CheckpointError if it failed: writers call it before they publish anything."""
+
+    def locate(self, name: str, kind: str = "param") -> FileRanges | None:
+        """Where `get(name, kind)`'s bytes lie in the source's files, when they lie there as they are
+        (uncompressed, in that dtype, row-major, whole or in consecutive pieces); None otherwise, or
+        where the format does not say (the writer then reads the tensor). Called before any reading
+        begins, from the thread that opened the source."""
+        return None
+
+    def unread_ranges(self, kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
+        """(file, offset, length) ranges of the source's files that a reader of only these kinds never
+        touches: the data of the other kinds' tensors, and of copies of the weights the reader does not
+        use (DeepSpeed's module weights beside its fp32 partitions). [] where the format does not say."""
+        return []
+
+    def will_read(self, kinds: tuple[str, ...]) -> None:
+        """Called by a writer before it reads: only tensors of these kinds will be read. A source whose
+        integrity check runs beside the reads (zerodp's per-block sha256) then checks only what is read."""
 
     def get_many(self, requests: list[tuple[str, str]]) -> list[torch.Tensor]:
         """`get` of each (name, kind), in order; a format that reads better in bulk (DCP) overrides it."""
@@ -188,6 +220,10 @@ class SafetensorsFile:
         dtype, shape, _, _ = self.entries[name]
         return TensorInfo(shape, dtype)
 
+    def locate(self, name: str) -> FileRanges:
+        _, _, start, stop = self.entries[name]
+        return FileRanges(((str(self.path), start, stop - start),))
+
     def read(self, name: str) -> torch.Tensor:
         dtype, shape, start, stop = self.entries[name]
         buf = torch.empty(stop - start, dtype=torch.uint8)
@@ -202,8 +238,10 @@ class SafetensorsFile:
 def write_safetensors_file(path: Path, names: list[str], infos: dict[str, TensorInfo], fetch, metadata: dict,
                            on_bytes=None) -> None:
     """Write a safetensors file tensor by tensor: the header first (shapes are known), then each
-    tensor from `fetch(name)` (already in infos[name].dtype). Written to `path.tmp`, renamed at the end;
-    its bytes then start for the disk in a background thread (`flush_soon`) while the next file is written."""
+    tensor from `fetch(name)`: a tensor already in infos[name].dtype, or the FileRanges of a source
+    tensor stored exactly so, copied from file to file (`copy_ranges`). Written to `path.tmp`, renamed
+    at the end; its bytes then start for the disk in a background thread (`flush_soon`) while the next
+    file is written."""
     header, offset = {}, 0
     for n in names:
         i = infos[n]
@@ -214,19 +252,77 @@ def write_safetensors_file(path: Path, names: list[str], infos: dict[str, Tensor
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for n in names:
-            t = fetch(n)
-            i = infos[n]
-            assert t.dtype == i.dtype and tuple(t.shape) == i.shape, (n, t.dtype, t.shape, i)
-            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
-            del t  # before the next fetch: one tensor in memory at a time, not two
-            if on_bytes:
-                on_bytes(i.nbytes)
+    sources: dict[str, int] = {}  # the files FileRanges point into, opened once each
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for n in names:
+                t = fetch(n)
+                i = infos[n]
+                if isinstance(t, FileRanges):
+                    assert t.nbytes == i.nbytes, (n, t, i)
+                    f.flush()
+                    copy_ranges(t, f.fileno(), f.tell(), sources)
+                    f.seek(t.nbytes, os.SEEK_CUR)
+                else:
+                    assert t.dtype == i.dtype and tuple(t.shape) == i.shape, (n, t.dtype, t.shape, i)
+                    f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                del t  # before the next fetch: one tensor in memory at a time, not two
+                if on_bytes:
+                    on_bytes(i.nbytes)
+            if f.tell() != 8 + len(raw) + offset:
+                raise CheckpointError(f"{tmp} holds {f.tell()} bytes where its header describes "
+                                      f"{8 + len(raw) + offset}")
+    finally:
+        for fd in sources.values():
+            os.close(fd)
     tmp.replace(path)
     flush_soon(path)
+
+
+# errno values with which copy_file_range says it cannot copy between these two files (another file
+# system on an older kernel, a file system without it, a platform without the call): read and write then
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
+_KERNEL_COPY = [hasattr(os, "copy_file_range")]
+_COPY_BUFFER = 8 << 20
+_BUFFER: list[memoryview] = []  # the fallback's one buffer, made when first needed (the writer's thread only)
+
+
+def copy_ranges(where: FileRanges, out_fd: int, at: int, opened: dict[str, int]) -> None:
+    """Copy the bytes of `where` to `out_fd` from offset `at` on: os.copy_file_range, so the kernel copies
+    page cache to page cache and the bytes never enter this process (what `cp` does); positioned
+    reads and writes through one reused buffer where it cannot. `opened`: {path: fd} of the source
+    files, filled as they are first needed (the caller closes them). CheckpointError if a file ends
+    before its range does."""
+    for path, offset, n in where.ranges:
+        if path not in opened:
+            opened[path] = os.open(path, os.O_RDONLY)
+        fd, done = opened[path], 0
+        while done < n:
+            got = _copy_some(fd, out_fd, min(n - done, 1 << 30), offset + done, at + done)
+            if got <= 0:
+                raise CheckpointError(f"{path} ended {n - done} bytes early (truncated since it was opened)")
+            done += got
+        at += n
+
+
+def _copy_some(src: int, dst: int, count: int, src_at: int, dst_at: int) -> int:
+    if _KERNEL_COPY[0]:
+        try:
+            return os.copy_file_range(src, dst, count, src_at, dst_at)
+        except OSError as e:
+            if e.errno not in _NO_KERNEL_COPY:
+                raise
+            _KERNEL_COPY[0] = False  # the same for every later range: say so once, by not retrying
+    if not _BUFFER:
+        _BUFFER.append(memoryview(bytearray(_COPY_BUFFER)))
+    view = _BUFFER[0][:min(count, _COPY_BUFFER)]
+    got = os.preadv(src, [view], src_at)
+    done = 0
+    while done < got:
+        done += os.pwrite(dst, view[done:got], dst_at + done)
+    return got
 
 
 def flush_soon(path: Path) -> threading.Thread:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from zerodp.convert.source import MOMENTS, CheckpointSource, TensorInfo, names_layout, write_safetensors_file
+from zerodp.convert.source import (MOMENTS, CheckpointSource, FileRanges, TensorInfo, names_layout,
+                                  write_safetensors_file)
 # check_destination, convert_output_kind and parse_size stay part of this module's API
 from zerodp.convert.destination import (  # noqa: F401
     HF_CONFIG, INDEX, TOKENIZER_FILES, check_destination, convert_output_kind, parse_size)
@@ -94,6 +95,17 @@ def _shard(names: list[str], infos: dict[str, TensorInfo], max_shard_size: int |
     return dict(zip(files, shards))
 
 
+def _located(source: CheckpointSource, wanted: list[tuple[str, str]]) -> dict[str, FileRanges]:
+    """{output name: where its bytes lie in the source} for the (output name, stored name) pairs whose
+    stored tensor the source can locate (`CheckpointSource.locate`); the others are read."""
+    found = {}
+    for out_name, stored in wanted:
+        where = source.locate(stored, "param")
+        if where is not None:
+            found[out_name] = where
+    return found
+
+
 def _write_shards(out: Path, shards: dict[str, list[str]], infos: dict[str, TensorInfo], fetch, metadata: dict,
                   bar) -> list[str]:
     """Write the shards (and, for more than one, the index) into `out`; return the file names."""
@@ -131,7 +143,10 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
     check_destination(dst, "safetensors", overwrite, _read_paths(source))
     metadata = _source_metadata(source, names_layout(source))
 
-    order = [(n, "param") for shard in shards.values() for n in shard]
+    source.will_read(("param",))
+    # A tensor kept as stored is copied file to file in the kernel; the rest are read ahead (and cast)
+    direct = _located(source, [(n, n) for n in names if infos[n].dtype == source.info(n).dtype])
+    order = [(n, "param") for shard in shards.values() for n in shard if n not in direct]
     total = sum(i.nbytes for i in infos.values())
 
     def cast(index: int, t: torch.Tensor) -> torch.Tensor:  # in the reading thread (zerodp.convert.stream)
@@ -141,8 +156,8 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
     sizes = [infos[n].nbytes for n, _ in order]
     with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, \
             read_ahead(source, order, window, cast, sizes) as src:
-        def fetch(n: str) -> torch.Tensor:
-            return src.get(n)
+        def fetch(n: str):
+            return direct[n] if n in direct else src.get(n)
 
         files = _write_shards(out, shards, infos, fetch, metadata, bar)
     return [dst / name for name in files]
@@ -198,6 +213,13 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
 
     hf_order = [h for shard in shards.values() for h in shard]
     stored_of = {h: state.stored_name(back[h][0]) for h in hf_order}
+    source.will_read(("param",))
+    # Copied file to file in the kernel: tensors whose stored dtype, shape and layout are HF's already
+    direct = _located(source, [(h, stored_of[h]) for h in hf_order
+                               if state.stored_transposed(back[h][0]) == (back[h][2] == TRANSPOSE)
+                               and source.info(stored_of[h]).dtype == infos[h].dtype
+                               and tuple(source.info(stored_of[h]).shape) == infos[h].shape])
+    hf_order = [h for h in hf_order if h not in direct]
     order = [(stored_of[h], "param") for h in hf_order]
 
     def to_hf_layout(index: int, t: torch.Tensor) -> torch.Tensor:  # in the reading thread (zerodp.convert.stream)
@@ -219,8 +241,8 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     sizes = [infos[h].nbytes for h in hf_order]
     with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, \
             read_ahead(source, order, window, to_hf_layout, sizes) as src:
-        def fetch(hf_name: str) -> torch.Tensor:
-            return src.get(stored_of[hf_name])
+        def fetch(hf_name: str):
+            return direct[hf_name] if hf_name in direct else src.get(stored_of[hf_name])
 
         (out / HF_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         files = [HF_CONFIG, *_write_shards(out, shards, infos, fetch, metadata, bar)]
@@ -281,7 +303,7 @@ def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = N
 
 def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | None, progress: bool,
                        window: int = DEFAULT_WINDOW) -> None:
-    from zerodp.manifest import FORMAT_VERSION, sha256_file
+    from zerodp.manifest import FORMAT_VERSION, file_record
     from zerodp.convert.full_state import FullState
 
     state = FullState(source, with_optimizer=False)  # the model's names and layouts, whatever the source's
@@ -292,6 +314,7 @@ def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | 
     m_infos = {f"{n}/{k}": infos[n] for n in moments for k in MOMENTS}
     metadata = _source_metadata(source, "zerodp", state.tied())
     total = sum(i.nbytes for i in infos.values()) + sum(i.nbytes for i in m_infos.values())
+    source.will_read(("param",) + (MOMENTS if moments else ()))
     order = [(state.stored_name(n), "param") for n in names] + \
         [(state.stored_name(n), k) for n in moments for k in MOMENTS]
     with _progress(total, "convert", progress) as bar, state.reading_ahead(order, window):
@@ -307,7 +330,7 @@ def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | 
     trainer = dict(getattr(source, "trainer", {}) or {})
     trainer["step"] = int(train_step or 0)
     (dst / "trainer.json").write_text(json.dumps(trainer, indent=1))
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(dst.iterdir())}
+    files = {p.name: file_record(p) for p in sorted(dst.iterdir())}
     meta = {
         "strategy": "single", "world_size": 1, "layout": "canonical",
         "precision": source.meta.get("precision", "fp32"),

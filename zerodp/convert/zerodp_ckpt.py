@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from zerodp.convert.source import MOMENTS, CheckpointSource, SafetensorsFile, TensorInfo, check_kind
+from zerodp.convert.source import MOMENTS, CheckpointSource, FileRanges, SafetensorsFile, TensorInfo, check_kind
 from zerodp.errors import CheckpointError
 from zerodp.manifest import META, BackgroundVerify, resolve_step_folder as resolve_zerodp_root  # noqa: F401
 
@@ -97,6 +97,35 @@ class ZerodpSource(CheckpointSource):
         if not self.has(name, kind):
             raise KeyError(f"{self.path} has no {kind} for {name}")
         return self.optim.read(f"{name}/{kind}")
+
+    def locate(self, name: str, kind: str = "param") -> FileRanges | None:
+        if self.inner is not None:
+            return self.inner.locate(name, kind)
+        if kind == "param":
+            return self.model.locate(name)
+        return self.optim.locate(f"{name}/{kind}") if self.has(name, kind) else None
+
+    def unread_ranges(self, kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
+        if self.inner is not None:
+            return self.inner.unread_ranges(kinds)
+        if self.optim is None:
+            return []
+        return [self.optim.locate(key).ranges[0] for key in self.optim.entries if key.rsplit("/", 1)[-1] not in kinds]
+
+    def will_read(self, kinds: tuple[str, ...]) -> None:
+        """Hand the sha256 check the byte ranges these kinds never touch: the blocks inside them (of files
+        whose manifest has per-block hashes) are not hashed."""
+        if self._check is None:
+            return
+        root = self.path.resolve()
+        unread: dict[str, list[tuple[int, int]]] = {}
+        for path, at, n in self.unread_ranges(tuple(kinds)):
+            try:
+                rel = str(Path(path).resolve().relative_to(root))
+            except ValueError:
+                continue
+            unread.setdefault(rel, []).append((at, n))
+        self._check.plan(unread)
 
     def get_many(self, requests: list[tuple[str, str]]) -> list[torch.Tensor]:
         return self.inner.get_many(requests) if self.inner is not None else super().get_many(requests)

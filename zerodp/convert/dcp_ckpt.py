@@ -29,7 +29,10 @@ _NOT_MODEL = ("optim.", "optimizer.", "optimizers.", "lr_scheduler.", "lr_schedu
 class DcpSource(CheckpointSource):
     format = "dcp"
 
-    def __init__(self, path: Path, tied: dict[str, str] | None = None):
+    def __init__(self, path: Path, tied: dict[str, str] | None = None, read_steps: bool = True):
+        """`read_steps`: read every parameter's AdamW step now, for `meta["step"]`; a zerodp checkpoint
+        that wraps the folder records its step itself, and a weights-only conversion of it then never
+        reads the optimizer's entries (`unread_ranges`)."""
         self.path = Path(path)
         if not (self.path / ".metadata").is_file():
             raise CheckpointError(f"{self.path} has no .metadata file; not a torch.distributed.checkpoint folder")
@@ -69,7 +72,7 @@ class DcpSource(CheckpointSource):
             self.key_of.pop(alias, None)
         if opt_params and not tied:
             self._find_ties(opt_params)
-        steps = [self.step(n) for n in opt_params]
+        steps = [self.step(n) for n in opt_params] if read_steps else [None]
         ranks = {m.group(1) for s in self.md.storage_data.values()
                  if (m := re.match(r"__(\d+)_\d+\.distcp$", s.relative_path))}
         self.meta = {"tied": self._tied, "world_size": len(ranks) or None, "step": int(max(steps)) if steps and None not in steps else None,
@@ -226,13 +229,14 @@ class DcpSource(CheckpointSource):
         return FileRanges(tuple(ranges))
 
     def unread_ranges(self, kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
-        ranges = []
-        for kind in MOMENTS:
-            if kind not in kinds:
-                for n in self.key_of:
-                    where = self.locate(n, kind)
-                    ranges += where.ranges if where is not None else []
-        return ranges
+        """The whole torch.save blob of every chunk of the moments not in `kinds` (its zip records too:
+        nothing in it is read), and with both moments left out, of the AdamW steps beside them."""
+        skip = [kind for kind in MOMENTS if kind not in kinds]
+        if len(skip) == len(MOMENTS):
+            skip.append("step")
+        keys = {key for (_, kind), key in self.opt_keys.items() if kind in skip}
+        return [(str(self.path / where.relative_path), where.offset, where.length)
+                for index, where in self.md.storage_data.items() if index.fqn in keys]
 
     def step(self, name: str | None = None) -> float | None:
         if name is None:

@@ -67,7 +67,7 @@ class ZerodpSource(CheckpointSource):
                     raise CheckpointError(f"{self.path}: found neither model.safetensors, DeepSpeed files nor one "
                                           f"torch.distributed.checkpoint folder; the checkpoint is incomplete")
                 self.layout = "dcp"
-                self.inner = DcpSource(dcp_dirs[0], tied=self.meta.get("tied"))
+                self.inner = DcpSource(dcp_dirs[0], tied=self.meta.get("tied"), read_steps=False)
             self._names = self.inner.param_names()
         trainer = self.path / "trainer.json"
         self.trainer = json.loads(trainer.read_text()) if trainer.is_file() else {}

@@ -18,6 +18,7 @@ import ctypes
 import gc
 import math
 import mmap
+import os
 import re
 import sys
 from pathlib import Path
@@ -183,6 +184,7 @@ class DeepSpeedSource(CheckpointSource):
         self.optim_files = [by_rank[r] for r in range(len(by_rank))]
         self.ranks = _Ranks(self.optim_files)
         self._flat_at: dict[tuple[int, int, str], int | None] = {}  # (rank, group, kind) -> file offset (locate)
+        self._fds: dict[str, int] = {}  # rank files opened for positioned reads (get)
         osd0 = self.ranks.osd(0)
         stage = int(osd0.get("zero_stage", -1))
         pc = osd0.get("partition_count")
@@ -348,8 +350,12 @@ class DeepSpeedSource(CheckpointSource):
             t = self._buffers[name]
             return t.float().clone() if t.is_floating_point() else t.clone()
         info = self._infos[name]
-        key = "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups"
         out = torch.empty(info.numel, dtype=torch.float32)
+        where = self.locate(name, kind)
+        if where is not None:  # positioned reads straight into place: no page of the mapping is touched
+            where.read_into(out, self._fds)
+            return out.view(info.shape)
+        key = "single_partition_of_fp32_groups" if self.stage <= 2 else "fp32_flat_groups"
         at = 0
         for r, g, start, n in self.pieces[name]:
             if kind == "param":
@@ -425,3 +431,6 @@ class DeepSpeedSource(CheckpointSource):
 
     def close(self) -> None:
         self.ranks.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -55,6 +55,22 @@ class FileRanges:
     def nbytes(self) -> int:
         return sum(n for _, _, n in self.ranges)
 
+    def read_into(self, target: torch.Tensor, opened: dict[str, int]) -> None:
+        """Fill contiguous `target` (of nbytes bytes) with positioned reads of the ranges; `opened`:
+        {path: fd}, filled as needed (the caller closes them). CheckpointError if a file ends early."""
+        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        at = 0
+        for path, offset, n in self.ranges:
+            if path not in opened:
+                opened[path] = os.open(path, os.O_RDONLY)
+            done = 0
+            while done < n:
+                got = os.preadv(opened[path], [view[at + done:at + n]], offset + done)
+                if got <= 0:
+                    raise CheckpointError(f"{path} ended {n - done} bytes early (truncated)")
+                done += got
+            at += n
+
 
 class CheckpointSource:
     """Base of every reader. Subclasses fill `format`, `path`, `meta` and the methods marked so."""

@@ -7,9 +7,12 @@ fp32 partitions' flat layout:
             in order (plus per-parameter alignment padding) gives each parameter.
   ZeRO-3:   every parameter is split into world_size pieces of ceil(numel / world_size) (the last
             one padded); each rank's flat groups hold its pieces of all parameters in order.
-Rank files are opened with mmap (tensors stay on disk until sliced), so reading a parameter touches
-only its own bytes; the pages of each piece copied out are given back at once (madvise), so resident
-memory stays bounded without re-opening the files (where madvise is missing: re-opened after a byte budget).
+Rank files are opened with mmap (tensors stay on disk until sliced), which also says where each flat
+partition lies in its file: a parameter's pieces are then read with positioned reads straight into
+place (`locate`, `get`), or copied file to file by a writer that keeps them as stored. Where a piece
+cannot be located, it is copied out of the mapping and its pages are given back at once (madvise), so
+resident memory stays bounded without re-opening the files (where madvise is missing: re-opened after
+a byte budget).
 """
 
 from __future__ import annotations

@@ -259,22 +259,32 @@ def test_source_truncated_during_a_kernel_copy_leaves_the_old_export_intact(run,
     assert snapshot(export) == before and staging_left(tmp_path) == []
 
 
-def test_source_damaged_midway_leaves_the_old_conversion_intact(run, tmp_path, monkeypatch, capsys):
-    """A source file truncated while it is being read (detected by the real reader, mid-stream)."""
+@pytest.mark.parametrize("path", ["read", "kernel copy"])
+def test_source_damaged_midway_leaves_the_old_conversion_intact(run, tmp_path, monkeypatch, capsys, path):
+    """A source file truncated while it is being read (detected by the real reader, mid-stream): read
+    and cast (--to safetensors --dtype bf16), or copied file to file (--to zerodp)."""
+    from zerodp.convert import source as source_module
     from zerodp.convert.source import SafetensorsFile
 
-    ckpt = tmp_path / "ckpt"
-    write_zerodp(open_checkpoint(run / STEP2), ckpt, progress=False)
-    before = snapshot(ckpt)
-    real, calls = SafetensorsFile.read, []
+    out = tmp_path / "out"
+    if path == "read":
+        write_safetensors(open_checkpoint(run / STEP2), out, dtype="bf16", progress=False)
+        owner, attr, args = SafetensorsFile, "read", ["--dtype", "bf16"]
+    else:
+        write_zerodp(open_checkpoint(run / STEP2), out, progress=False)
+        owner, attr, args = source_module, "copy_ranges", ["--to", "zerodp"]
+    before = snapshot(out)
+    real, calls = getattr(owner, attr), []
 
-    def truncating(self, name):
-        calls.append(name)
-        if len(calls) == 3:
-            os.truncate(self.path, 8)  # the rest of the file is gone
-        return real(self, name)
+    def truncating(first, *rest):
+        calls.append(1)
+        if len(calls) == 3:  # the rest of the file is gone
+            os.truncate(first.path if path == "read" else first.ranges[0][0], 8)
+        return real(first, *rest)
 
-    monkeypatch.setattr(SafetensorsFile, "read", truncating)
-    assert main(["convert", str(run / STEP4), str(ckpt), "--to", "zerodp", "--overwrite", "--no-progress"]) == 2
-    assert "ended early while reading" in capsys.readouterr().err
-    assert snapshot(ckpt) == before and checkpoint.verify(ckpt) is None and staging_left(tmp_path) == []
+    monkeypatch.setattr(owner, attr, truncating)
+    assert main(["convert", str(run / STEP4), str(out), "--overwrite", "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "model.safetensors" in err and "ended" in err, err
+    assert snapshot(out) == before and staging_left(tmp_path) == []
+    assert path == "read" or checkpoint.verify(out) is None

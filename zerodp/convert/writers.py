@@ -95,12 +95,14 @@ def _shard(names: list[str], infos: dict[str, TensorInfo], max_shard_size: int |
     return dict(zip(files, shards))
 
 
-def _located(source: CheckpointSource, wanted: list[tuple[str, str]]) -> dict[str, FileRanges]:
+def _located(source: CheckpointSource, wanted: list[tuple[str, str]],
+             kinds: list[str] | None = None) -> dict[str, FileRanges]:
     """{output name: where its bytes lie in the source} for the (output name, stored name) pairs whose
-    stored tensor the source can locate (`CheckpointSource.locate`); the others are read."""
+    stored tensor (of kinds[i], default "param") the source can locate (`CheckpointSource.locate`);
+    the others are read."""
     found = {}
-    for out_name, stored in wanted:
-        where = source.locate(stored, "param")
+    for i, (out_name, stored) in enumerate(wanted):
+        where = source.locate(stored, kinds[i] if kinds else "param")
         if where is not None:
             found[out_name] = where
     return found
@@ -315,13 +317,24 @@ def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | 
     metadata = _source_metadata(source, "zerodp", state.tied())
     total = sum(i.nbytes for i in infos.values()) + sum(i.nbytes for i in m_infos.values())
     source.will_read(("param",) + (MOMENTS if moments else ()))
-    order = [(state.stored_name(n), "param") for n in names] + \
-        [(state.stored_name(n), k) for n in moments for k in MOMENTS]
+    # fp32 tensors the source keeps in the model's layout are copied file to file; the rest are read
+    kept = [n for n in names if not state.stored_transposed(n) and state.source_dtype(n) == torch.float32
+            and tuple(source.info(state.stored_name(n)).shape) == infos[n].shape]
+    direct = _located(source, [(f"{n}/{k}", state.stored_name(n)) for n in kept for k in ("param",) + MOMENTS
+                               if k == "param" or n in moments], [k for n in kept for k in ("param",) + MOMENTS
+                                                                   if k == "param" or n in moments])
+    order = [(state.stored_name(n), "param") for n in names if f"{n}/param" not in direct] + \
+        [(state.stored_name(n), k) for n in moments for k in MOMENTS if f"{n}/{k}" not in direct]
+
+    def fetch(name: str, kind: str):
+        key = f"{name}/{kind}"
+        return direct[key] if key in direct else state.get(name, kind, infos[name].shape)
+
     with _progress(total, "convert", progress) as bar, state.reading_ahead(order, window):
-        write_safetensors_file(dst / "model.safetensors", names, infos,
-                               lambda n: state.get(n, "param", infos[n].shape), metadata, bar.update)
+        write_safetensors_file(dst / "model.safetensors", names, infos, lambda n: fetch(n, "param"), metadata,
+                               bar.update)
         write_safetensors_file(dst / "optim.safetensors", m_names, m_infos,
-                               lambda key: state.get(*key.rsplit("/", 1), m_infos[key].shape), metadata, bar.update)
+                               lambda key: fetch(*key.rsplit("/", 1)), metadata, bar.update)
     steps = {}
     for n in moments:
         s = source.step(state.stored[n][0])

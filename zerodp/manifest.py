@@ -15,7 +15,7 @@ FORMAT_VERSION = 1
 META = "meta.json"
 
 
-BLOCK = 64 << 20  # a file longer than this also records the sha256 of each block of this many bytes
+BLOCK = 16 << 20  # a file longer than this also records the sha256 of each block of this many bytes
 
 
 def sha256_file(path: Path, stop: threading.Event | None = None, start: int = 0, length: int | None = None) -> str:

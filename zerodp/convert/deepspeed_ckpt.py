@@ -23,7 +23,9 @@ import math
 import mmap
 import os
 import re
+import struct
 import sys
+import zipfile
 from pathlib import Path
 
 import torch
@@ -90,6 +92,35 @@ def file_offset(t: torch.Tensor, path: Path) -> int | None:
             if lo <= ptr and ptr + t.numel() * t.element_size() <= hi:
                 return ptr - lo + int(fields[2], 16)
     return None
+
+
+def _with_records(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """`ranges` plus, for every stored record of those torch zip files whose data lies wholly inside
+    them, the record from its local header on: consecutive unread tensors then make one unread run."""
+    from zerodp.manifest import _inside
+
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for path, at, n in ranges:
+        by_file.setdefault(path, []).append((at, n))
+    out = list(ranges)
+    for path, spans in by_file.items():
+        try:
+            with open(path, "rb") as f:
+                records = zipfile.ZipFile(f).infolist()
+                for rec in records:
+                    if rec.compress_type != zipfile.ZIP_STORED or "/data/" not in rec.filename:
+                        continue
+                    f.seek(rec.header_offset)
+                    head = f.read(30)
+                    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+                        continue
+                    name_len, extra_len = struct.unpack("<HH", head[26:30])
+                    data = rec.header_offset + 30 + name_len + extra_len
+                    if rec.file_size and _inside(data, data + rec.file_size, spans):
+                        out.append((path, rec.header_offset, data + rec.file_size - rec.header_offset))
+        except (OSError, zipfile.BadZipFile, ValueError):
+            continue  # the data ranges alone, then
+    return out
 
 
 def drop_pages(t: torch.Tensor, mapped: list[tuple[int, int]]) -> bool:
@@ -392,16 +423,22 @@ class DeepSpeedSource(CheckpointSource):
         return FileRanges(tuple(ranges))
 
     def unread_ranges(self, kinds: tuple[str, ...]) -> list[tuple[str, int, int]]:
+        """The module's copy of the weights, each moment's whole flat partition not in `kinds`, and the
+        zip record (local header and data) of every tensor wholly inside those: nothing in them is read."""
         ranges = list(self._module_ranges)
-        for kind in MOMENTS:
-            if kind not in kinds:
-                for n in self._infos:
-                    try:
-                        where = self.locate(n, kind)
-                    except CheckpointError:  # no optimizer state saved: nothing there to leave out
-                        return ranges
-                    ranges += where.ranges if where is not None else []
-        return ranges
+        for kind in [k for k in MOMENTS if k not in kinds]:
+            for r in range(self.world):
+                try:
+                    groups = range(len(self.ranks.osd(r)["single_partition_of_fp32_groups" if self.stage <= 2
+                                                         else "fp32_flat_groups"]))
+                    flats = [self._state(r, g)[kind] for g in groups]
+                except (CheckpointError, KeyError):  # no optimizer state saved: nothing there to leave out
+                    return _with_records(ranges)
+                for flat in flats:
+                    at = file_offset(flat, self.optim_files[r]) if flat.numel() else None
+                    if at is not None:
+                        ranges.append((str(self.optim_files[r]), at, flat.numel() * flat.element_size()))
+        return _with_records(ranges)
 
     def step(self, name: str | None = None) -> float | None:
         if name is None or name not in self._infos:

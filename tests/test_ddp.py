@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import TINY
 from tests.harness import run_distributed
 from tests.reference import WEIGHT_TOLERANCE, reference_run
 from zerodp.config import load_config
@@ -15,13 +16,22 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def test_ddp_world2_accum2_matches_single_process(tiny, tmp_path):
-    over = tiny + ["train.global_batch_size=8", "train.max_steps=10"]
-    ref_losses, ref_weights = reference_run(load_config(None, over))
-    runs = [
-        {"overrides": over + ["strategy.name=ddp", f"train.out_dir={tmp_path / 'ddp'}"]},
-    ]
-    (ddp,), _ = run_distributed("tests.workers:train_runs", 2, {"runs": runs})
+FP32 = TINY + ["train.global_batch_size=8", "train.max_steps=10"]
+BF16 = TINY + ["train.global_batch_size=8", "train.max_steps=8"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """Both ddp runs of this module in one launch of 2 ranks: (fp32, bf16 autocast), rank 0's results."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    return run_distributed("tests.workers:train_runs", 2, {"runs": [
+        {"overrides": FP32 + ["strategy.name=ddp", f"train.out_dir={tmp / 'fp32'}"]},
+        {"overrides": BF16 + ["strategy.name=ddp", "train.precision=bf16", f"train.out_dir={tmp / 'bf16'}"]}]})[0]
+
+
+def test_ddp_world2_accum2_matches_single_process(ddp_runs):
+    ref_losses, ref_weights = reference_run(load_config(None, FP32))
+    ddp = ddp_runs[0]
     assert ddp["strategy"] == "ddp"
     assert ddp["losses"] == pytest.approx(ref_losses, abs=1e-5)
     assert max_diff(ddp["weights"], ref_weights) < WEIGHT_TOLERANCE
@@ -39,12 +49,11 @@ def test_single_strategy_matches_reference(tiny, tmp_path):
     assert max_diff(res[0]["weights"], ref_weights) < 1e-5
 
 
-def test_ddp_bf16_autocast_stays_in_band_of_fp32_reference(tiny, tmp_path):
+def test_ddp_bf16_autocast_stays_in_band_of_fp32_reference(ddp_runs):
     """bf16 autocast over fp32 parameters: the loss curve stays within 0.01 of fp32 (measured ~7e-4)."""
-    over = tiny + ["train.global_batch_size=8", "train.max_steps=8"]
-    ref_losses, _ = reference_run(load_config(None, over))
-    (got,) = run_distributed("tests.workers:train_runs", 2, {"runs": [
-        {"overrides": over + ["strategy.name=ddp", "train.precision=bf16", f"train.out_dir={tmp_path}"]}]})[0]
+    ref_losses, _ = reference_run(load_config(None, BF16))
+    got = ddp_runs[1]
+    assert got["strategy"] == "ddp"
     gap = max(abs(a - b) for a, b in zip(got["losses"], ref_losses))
     print(f"ddp bf16 vs fp32 reference: max |loss diff| {gap:.4f}")
     assert 0 < gap < 0.01  # > 0: bf16 really ran

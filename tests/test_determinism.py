@@ -39,7 +39,7 @@ def test_a_non_reproducible_cublas_setting_is_refused(monkeypatch):
 
 
 def report_worker(overrides: list[str]) -> dict:
-    """Train per `overrides` in this fresh process; report the determinism settings it was left with."""
+    """Train per `overrides`; report the determinism settings the process was left with."""
     from zerodp.train import train
 
     summary = train(load_config(None, overrides), fresh=True)
@@ -51,13 +51,16 @@ def report_worker(overrides: list[str]) -> dict:
 
 
 def test_training_run_switches_it_on(tiny, tmp_path, monkeypatch):
-    """zero3 on 2 processes (partitions, padding, flat buffers: torch.empty is NaN-filled when on)."""
+    """zero3 on 2 processes (partitions, padding, flat buffers: torch.empty is NaN-filled when on). One
+    launch: the run without it first (what a fresh process reports), then the run with it."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # the workers inherit this environment
     base = tiny + ["strategy.name=zero3", "train.max_steps=3", "train.global_batch_size=8"]
-    on = run_distributed("tests.test_determinism:report_worker", 2, {
-        "overrides": base + ["train.deterministic=true", f"train.out_dir={tmp_path / 'on'}"]})
-    off = run_distributed("tests.test_determinism:report_worker", 2, {
-        "overrides": base + [f"train.out_dir={tmp_path / 'off'}"]})
+    per_rank = run_distributed("tests.workers:several", 2, {"calls": [
+        {"target": "tests.test_determinism:report_worker",
+         "kwargs": {"overrides": base + [f"train.out_dir={tmp_path / 'off'}"]}},
+        {"target": "tests.test_determinism:report_worker",
+         "kwargs": {"overrides": base + ["train.deterministic=true", f"train.out_dir={tmp_path / 'on'}"]}}]})
+    off, on = [r[0] for r in per_rank], [r[1] for r in per_rank]
     for rank in (0, 1):
         assert on[rank]["algorithms"] and not on[rank]["warn_only"], on[rank]
         assert on[rank]["cublas"] == ":4096:8" and on[rank]["cudnn"] == [True, False], on[rank]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from tests.conftest import TINY
 from tests.harness import ROOT, base_env, free_port, run_distributed
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -111,17 +112,30 @@ def test_dead_peer_is_named(tiny, tmp_path):
 def test_hung_peer_times_out_and_is_named(tiny, tmp_path):
     over = small(tiny, tmp_path, steps=20, every=0) + ["strategy.timeout_s=4"]
     results = run_distributed("tests.workers:hang_at_step", 2,
-                              {"overrides": over, "rank": 1, "step": 2, "seconds": 15}, allow_missing=True)
+                              {"overrides": over, "rank": 1, "step": 2, "seconds": 10}, allow_missing=True)
     msg = results[0]["error"]
     assert msg is not None and "rank 1 on " in msg and "last finished step 2" in msg, msg
     assert results[0]["waited_s"] < 60  # the collective timeout, not the hang, decided when to stop
 
 
+SLOW = {"compute": ("ddp", 0.25), "data": ("ddp", 0.25), "device-fsdp": ("fsdp", 0.002),
+        "device-zero3": ("zero3", 0.002)}
+
+
+@pytest.fixture(scope="module")
+def slowed(tmp_path_factory):
+    """Every slowed-rank run below, in one launch of 2 ranks: {case: rank 0's result}. Rank 1 is slowed by
+    SLOW's delay, per step in its compute or its data loading, or per matrix multiply (a slow device)."""
+    tmp = tmp_path_factory.mktemp("slowed")
+    calls = [{"target": "tests.workers:slow_rank", "kwargs": {
+        "overrides": small(TINY, tmp / case, steps=8, every=0) + [f"strategy.name={strategy}"], "rank": 1,
+        "delay": delay, "where": case.split("-")[0]}} for case, (strategy, delay) in SLOW.items()]
+    return dict(zip(SLOW, run_distributed("tests.workers:several", 2, {"calls": calls})[0]))
+
+
 @pytest.mark.parametrize("where, cause", [("compute", "slow compute"), ("data", "data loading stall")])
-def test_straggler_is_reported_with_its_cause(tiny, tmp_path, where, cause):
-    res = run_distributed("tests.workers:slow_rank", 2,
-                          {"overrides": small(tiny, tmp_path, steps=8, every=0), "rank": 1, "delay": 0.25,
-                           "where": where})[0]
+def test_straggler_is_reported_with_its_cause(slowed, where, cause):
+    res = slowed[where]
     found = [s for rec in res["records"] for s in rec.get("stragglers", [])]
     assert found and {s["rank"] for s in found} == {1}, res["records"]
     assert all(s["cause"] == cause for s in found)
@@ -130,13 +144,11 @@ def test_straggler_is_reported_with_its_cause(tiny, tmp_path, where, cause):
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
-def test_slow_device_is_found_where_the_forward_gathers_parameters(tiny, tmp_path, strategy):
+def test_slow_device_is_found_where_the_forward_gathers_parameters(slowed, strategy):
     """Under fsdp and zero3 every rank's forward lasts as long as the slowest one's (the fast ranks wait
     inside its all-gathers), so forward time cannot name the culprit: the device probe does. Rank 1 is
     a slow device: each of its matrix multiplies takes 2 ms longer."""
-    over = small(tiny, tmp_path, steps=8, every=0) + [f"strategy.name={strategy}"]
-    res = run_distributed("tests.workers:slow_rank", 2,
-                          {"overrides": over, "rank": 1, "delay": 0.002, "where": "device"})[0]
+    res = slowed[f"device-{strategy}"]
     found = [s for rec in res["records"] for s in rec.get("stragglers", [])]
     assert found and {s["rank"] for s in found} == {1}, res["records"]
     assert all(s["cause"] == "slow compute" and s["measured_by"] == "device probe" for s in found)

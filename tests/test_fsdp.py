@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from tests.conftest import TINY
 from tests.harness import run_distributed
 from tests.reference import WEIGHT_TOLERANCE, reference_run
 from zerodp.config import load_config
@@ -27,44 +28,55 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def test_fsdp_matches_reference_and_precision_bands(tiny, tmp_path):
+BANDS = TINY + ["train.global_batch_size=8", "train.max_steps=8"]
+VARIANTS = {
+    "ac": ["model.activation_checkpointing=true", "train.eval_every=4"],
+    "no_reshard": ["strategy.reshard_after_forward=false"],
+    "offload": ["strategy.offload_params=true"],
+    "defer": ["strategy.fsdp_defer_grad_reduce=true"],
+    "bf16": ["train.precision=bf16"],
+    "fp16": ["train.precision=fp16"],
+}
+# decay_steps fixed: the lr schedule must not depend on max_steps, which differs between the runs.
+RESUME = TINY + ["train.global_batch_size=8", "optim.decay_steps=6", "strategy.name=fsdp"]
+
+
+@pytest.fixture(scope="module")
+def first_launch(tmp_path_factory):
+    """One launch of 2 ranks: the variants against the reference, then 6 uninterrupted steps and 3 steps
+    with a checkpoint (resumed in a new process group by the test). (folder, per-rank results)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    runs = [{"overrides": BANDS + ["strategy.name=fsdp"] + extra + [f"train.out_dir={tmp / name}"]}
+            for name, extra in VARIANTS.items()]
+    runs += [{"overrides": RESUME + ["train.max_steps=6", f"train.out_dir={tmp / 'whole'}"]},
+             {"overrides": RESUME + ["train.max_steps=3", f"train.out_dir={tmp / 'part'}"]}]
+    return tmp, run_distributed("tests.workers:train_runs", 2, {"runs": runs})
+
+
+def test_fsdp_matches_reference_and_precision_bands(first_launch):
     """World 2, accum 2: fp32 exact (with activation checkpointing, without resharding, with CPU
     offload, deferring the gradient reduction to the last micro batch); bf16 and fp16 within their measured bands of the fp32 reference."""
-    over = tiny + ["train.global_batch_size=8", "train.max_steps=8"]
-    ref_losses, ref_weights = reference_run(load_config(None, over))
-    fsdp = over + ["strategy.name=fsdp"]
-    variants = {
-        "ac": ["model.activation_checkpointing=true", "train.eval_every=4"],
-        "no_reshard": ["strategy.reshard_after_forward=false"],
-        "offload": ["strategy.offload_params=true"],
-        "defer": ["strategy.fsdp_defer_grad_reduce=true"],
-        "bf16": ["train.precision=bf16"],
-        "fp16": ["train.precision=fp16"],
-    }
-    runs = [{"overrides": fsdp + extra + [f"train.out_dir={tmp_path / name}"]} for name, extra in variants.items()]
-    per_rank = run_distributed("tests.workers:train_runs", 2, {"runs": runs})
-    results = dict(zip(variants, per_rank[0]))
+    ref_losses, ref_weights = reference_run(load_config(None, BANDS))
+    per_rank = [r[:len(VARIANTS)] for r in first_launch[1]]
+    results = dict(zip(VARIANTS, per_rank[0]))
     for name in ("ac", "no_reshard", "offload", "defer"):
         res = results[name]
         assert res["strategy"] == "fsdp"
         assert res["losses"] == pytest.approx(ref_losses, abs=1e-5), name
         assert max_diff(res["weights"], ref_weights) < WEIGHT_TOLERANCE, name
         # full_state_dict is the same full tensor on every rank
-        assert max_diff(per_rank[1][list(variants).index(name)]["weights"], res["weights"]) == 0.0
+        assert max_diff(per_rank[1][list(VARIANTS).index(name)]["weights"], res["weights"]) == 0.0
     assert ref_losses[-1] < ref_losses[0] - 0.3  # the weights really moved
     for name, band in (("bf16", BF16_BAND), ("fp16", FP16_BAND)):
         gap = max(abs(a - b) for a, b in zip(results[name]["losses"], ref_losses))
         assert 0 < gap < band, (name, gap)
 
 
-def test_fsdp_resume_is_exact_and_checkpoint_uses_plain_names(tiny, tmp_path):
+def test_fsdp_resume_is_exact_and_checkpoint_uses_plain_names(first_launch):
     """3 steps + checkpoint, then resume to 6 in a new process group == 6 uninterrupted steps."""
-    # decay_steps fixed: the lr schedule must not depend on max_steps, which differs between the runs.
-    over = tiny + ["train.global_batch_size=8", "optim.decay_steps=6", "strategy.name=fsdp"]
-    whole, part = tmp_path / "whole", tmp_path / "part"
-    runs = [{"overrides": over + ["train.max_steps=6", f"train.out_dir={whole}"]},
-            {"overrides": over + ["train.max_steps=3", f"train.out_dir={part}"]}]
-    (uninterrupted, first), _ = run_distributed("tests.workers:train_runs", 2, {"runs": runs})
+    tmp, per_rank = first_launch
+    over, part = RESUME, tmp / "part"
+    uninterrupted, first = per_rank[0][len(VARIANTS):]
     resume = [{"overrides": over + ["train.max_steps=6", f"train.out_dir={part}"], "fresh": False}]
     (resumed,), _ = run_distributed("tests.workers:train_runs", 2, {"runs": resume})
     assert first["losses"] == uninterrupted["losses"][:3]

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import TINY
 from tests.harness import run_distributed
 from tests.reference import LLAMA, WEIGHT_TOLERANCE, reference_run
 from zerodp.config import load_config
 from zerodp.data import TokenBatches, load_tokens
 from zerodp.models import build_model
 
-# (model, saved by, on, resumed by, on); each world size is one launch per phase, the llama rides along
-# (with activation checkpointing: recomputation must not change what is saved or resumed)
+# (model, saved by, on, resumed by, on); the llama rides along (with activation checkpointing:
+# recomputation must not change what is saved or resumed)
 MOVES = [("gpt2", "zero2", 2, "fsdp", 1), ("gpt2", "fsdp", 2, "zero3", 3), ("gpt2", "ddp", 1, "zero1", 2),
          ("gpt2", "zero3", 2, "ddp", 2), ("llama", "zero3", 2, "fsdp", 3)]
 MODELS = {"gpt2": [], "llama": LLAMA + ["model.activation_checkpointing=true"]}
@@ -26,20 +27,22 @@ def base(tiny):
 def test_resume_across_strategies_and_world_sizes(tiny, tmp_path):
     over = {model: base(tiny) + arch for model, arch in MODELS.items()}
     refs = {model: reference_run(load_config(None, o)) for model, o in over.items()}
-    first = {}
-    for model, src, world, _, _ in MOVES:
-        first.setdefault(world, []).append({"overrides": over[model] + [
+    # Four launches, in turn: world 1 saves; world 2 saves its four, then resumes what world 1 and it
+    # saved; worlds 1 and 3 resume the rest. Each save runs before the resumes that read it.
+    save_turn, resume_turn = {1: 0, 2: 1}, {1: 2, 2: 1, 3: 2}
+    launches: dict[tuple[int, int], list[dict]] = {}
+    for model, src, w1, _, _ in MOVES:
+        launches.setdefault((save_turn[w1], w1), []).append({"overrides": over[model] + [
             f"strategy.name={src}", "train.max_steps=3", f"train.out_dir={tmp_path / f'{model}-{src}'}"]})
-    for world, runs in first.items():
-        run_distributed("tests.workers:train_runs", world, {"runs": runs})
-    second = {}
-    for model, src, _, dst, world in MOVES:
-        second.setdefault(world, []).append({"overrides": over[model] + [
+    for model, src, _, dst, w2 in MOVES:
+        launches.setdefault((resume_turn[w2], w2), []).append({"overrides": over[model] + [
             f"strategy.name={dst}", f"train.out_dir={tmp_path / f'{model}-{src}'}"], "fresh": False})
     results = {}
-    for world, runs in second.items():
+    for turn, world in sorted(launches):
+        runs = launches[turn, world]
         for run, got in zip(runs, run_distributed("tests.workers:train_runs", world, {"runs": runs})[0]):
-            results[run["overrides"][-1]] = got
+            if run.get("fresh") is False:
+                results[run["overrides"][-1]] = got
     report = []
     for model, src, w1, dst, w2 in MOVES:
         ref_losses, ref_weights = refs[model]
@@ -54,12 +57,33 @@ def test_resume_across_strategies_and_world_sizes(tiny, tmp_path):
     print("\n".join(report))
 
 
-def test_init_from_pretrained_weights_under_sharding(tiny, tmp_path):
+HF_MODEL_SEED = 7
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+@pytest.fixture(scope="module")
+def single_runs(tmp_path_factory):
+    """One launch of one process: 3 steps under single, saved (weights to start from), and 1 step from a
+    file in Hugging Face GPT2Model's layout. (folder, the latter's result)."""
+    from safetensors.torch import save_file
+
+    tmp = tmp_path_factory.mktemp("portable")
+    over = base(TINY)
+    model = build_model(load_config(None, over).model, seed=HF_MODEL_SEED)
+    hf = {n.removeprefix("transformer."): (p.t() if n.endswith(CONV1D) else p).detach().contiguous()
+          for n, p in model.named_parameters()}
+    save_file(hf, tmp / "hf.safetensors")
+    _, from_hf = run_distributed("tests.workers:train_runs", 1, {"runs": [
+        {"overrides": over + ["strategy.name=single", "train.max_steps=3", f"train.out_dir={tmp / 'a'}"]},
+        {"overrides": over + ["strategy.name=single", "train.max_steps=1", "optim.lr=1e-9", "optim.min_lr=0",
+                              f"model.init_from={tmp / 'hf.safetensors'}", f"train.out_dir={tmp / 'r'}"]}]})[0]
+    return tmp, from_hf
+
+
+def test_init_from_pretrained_weights_under_sharding(tiny, tmp_path, single_runs):
     """Weights saved by single, loaded by zero3 on 2 ranks via model.init_from: step 1 sees them."""
     over = base(tiny)
-    run_distributed("tests.workers:train_runs", 1, {"runs": [
-        {"overrides": over + ["strategy.name=single", "train.max_steps=3", f"train.out_dir={tmp_path / 'a'}"]}]})
-    weights = tmp_path / "a" / "checkpoints" / "step_00000003" / "model.safetensors"
+    weights = single_runs[0] / "a" / "checkpoints" / "step_00000003" / "model.safetensors"
     (got,) = run_distributed("tests.workers:train_runs", 2, {"runs": [
         {"overrides": over + ["strategy.name=zero3", "train.max_steps=1", f"model.init_from={weights}",
                               f"train.out_dir={tmp_path / 'b'}"]}]})[0]
@@ -74,11 +98,9 @@ def test_init_from_pretrained_weights_under_sharding(tiny, tmp_path):
     assert got["losses"][0] == pytest.approx(want, abs=1e-5)
 
 
-def test_init_from_mismatched_model_is_a_clear_error(tiny, tmp_path):
+def test_init_from_mismatched_model_is_a_clear_error(tiny, tmp_path, single_runs):
     over = base(tiny)
-    run_distributed("tests.workers:train_runs", 1, {"runs": [
-        {"overrides": over + ["strategy.name=single", "train.max_steps=1", f"train.out_dir={tmp_path / 'a'}"]}]})
-    weights = tmp_path / "a" / "checkpoints" / "step_00000001" / "model.safetensors"
+    weights = single_runs[0] / "a" / "checkpoints" / "step_00000003" / "model.safetensors"
     with pytest.raises(RuntimeError, match=r"holds a different model than this config \(28 have another shape \(e.g. "
                                            r"transformer.wte.weight is \[256, 32\] there, \[256, 64\] here\)\); "
                                            r"set the model section to the checkpoint's dimensions"):
@@ -87,20 +109,10 @@ def test_init_from_mismatched_model_is_a_clear_error(tiny, tmp_path):
                                   f"train.out_dir={tmp_path / 'b'}"]}]})
 
 
-def test_init_from_hugging_face_gpt2_layout(tiny, tmp_path):
+def test_init_from_hugging_face_gpt2_layout(tiny, single_runs):
     """A file in Hugging Face GPT2Model's layout (no 'transformer.' prefix, Conv1D weights stored
     (in, out)) initialises zerodp's GPT exactly."""
-    from safetensors.torch import save_file
-
-    over = base(tiny)
-    cfg = load_config(None, over)
-    model = build_model(cfg.model, seed=7)
-    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-    hf = {n.removeprefix("transformer."): (p.t() if n.endswith(conv1d) else p).detach().contiguous()
-          for n, p in model.named_parameters()}
-    save_file(hf, tmp_path / "model.safetensors")
-    (got,) = run_distributed("tests.workers:train_runs", 1, {"runs": [
-        {"overrides": over + ["strategy.name=single", "train.max_steps=1", "optim.lr=1e-9", "optim.min_lr=0",
-                              f"model.init_from={tmp_path / 'model.safetensors'}", f"train.out_dir={tmp_path / 'r'}"]}]})[0]
+    model = build_model(load_config(None, base(tiny)).model, seed=HF_MODEL_SEED)
+    got = single_runs[1]
     for n, p in model.named_parameters():
         assert (got["weights"][n] - p.detach()).abs().max().item() < 1e-6, n

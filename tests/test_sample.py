@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.harness import run_distributed
@@ -42,8 +43,8 @@ def _setup(overrides: list[str]):
     return cfg, env, strategy
 
 
-def sample_after_training(runs: list[list[str]], steps: int) -> list[dict]:
-    """Per run: `steps` optimizer steps on random tokens, then the sample through the strategy, then
+def sample_after_training(runs: list[list[str]], steps: list[int]) -> list[dict]:
+    """Per run: its `steps` optimizer steps on random tokens, then the sample through the strategy, then
     (for the reference, after sampling) the full weights on rank 0."""
     import torch.distributed as dist
 
@@ -51,7 +52,7 @@ def sample_after_training(runs: list[list[str]], steps: int) -> list[dict]:
     from zerodp.train import train_step
 
     results = []
-    for overrides in runs:
+    for overrides, steps in zip(runs, steps, strict=True):
         cfg, env, strategy = _setup(overrides)
         data = torch.Generator().manual_seed(100 + env.rank)
         shape = (cfg.train.micro_batch_size, cfg.model.block_size + 1)
@@ -136,28 +137,37 @@ def _check_against_reference(runs: list[list[str]], results: list[list[dict]]) -
             assert got["training_after"], f"{overrides[-1]}: the model was left in eval mode"
 
 
-def test_sample_through_every_strategy_equals_generate_on_full_weights():
-    strategies = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
-    runs = [SMALL + ["train.precision=fp32", "train.global_batch_size=4", f"strategy.name={s}"] for s in strategies]
-    results = run_distributed("tests.test_sample:sample_after_training", world_size=2,
-                              kwargs={"runs": runs, "steps": 3})
-    _check_against_reference(runs, results)
+FP32_RUNS = [SMALL + ["train.precision=fp32", "train.global_batch_size=4", f"strategy.name={s}"]
+             for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")]
+BF16_RUNS = [SMALL + ["train.precision=bf16", "train.global_batch_size=4", f"strategy.name={s}"]
+             for s in ("ddp", "zero3", "fsdp")]
+
+
+@pytest.fixture(scope="module")
+def sampled_on_2_ranks():
+    """The fp32 runs (3 steps each) and the bf16 runs (2 steps each) in one launch of 2 ranks:
+    (fp32 per-rank results, bf16 per-rank results)."""
+    results = run_distributed("tests.test_sample:sample_after_training", world_size=2, kwargs={
+        "runs": FP32_RUNS + BF16_RUNS, "steps": [3] * len(FP32_RUNS) + [2] * len(BF16_RUNS)})
+    n = len(FP32_RUNS)
+    return [r[:n] for r in results], [r[n:] for r in results]
+
+
+def test_sample_through_every_strategy_equals_generate_on_full_weights(sampled_on_2_ranks):
+    _check_against_reference(FP32_RUNS, sampled_on_2_ranks[0])
 
 
 def test_sample_on_one_process_equals_generate():
     runs = [SMALL + ["train.precision=fp32", "train.global_batch_size=2", "strategy.name=single"]]
     results = run_distributed("tests.test_sample:sample_after_training", world_size=1,
-                              kwargs={"runs": runs, "steps": 3})
+                              kwargs={"runs": runs, "steps": [3]})
     _check_against_reference(runs, results)
 
 
-def test_sample_in_bf16_agrees_on_every_rank():
+def test_sample_in_bf16_agrees_on_every_rank(sampled_on_2_ranks):
     """16-bit compute (autocast for ddp, the engine's bf16 weights, FSDP's mixed precision): the ranks
     stay in lockstep and print the same sample, of the requested length."""
-    runs = [SMALL + ["train.precision=bf16", "train.global_batch_size=4", f"strategy.name={s}"]
-            for s in ("ddp", "zero3", "fsdp")]
-    results = run_distributed("tests.test_sample:sample_after_training", world_size=2,
-                              kwargs={"runs": runs, "steps": 2})
+    runs, results = BF16_RUNS, sampled_on_2_ranks[1]
     for i, overrides in enumerate(runs):
         a, b = results[0][i], results[1][i]
         assert a["tokens"] == b["tokens"] and a["text"] == b["text"], overrides

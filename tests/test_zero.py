@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import TINY
 from tests.harness import run_distributed
 from tests.reference import WEIGHT_TOLERANCE, reference_run
 from zerodp.config import load_config
@@ -125,24 +126,48 @@ def test_fp16_on_cpu_is_refused(tiny):
 # Real processes
 # ---------------------------------------------------------------------------------------------------
 
+RESUME_BASE = TINY + ["train.global_batch_size=8", "optim.decay_steps=10", "checkpoint.every=3"]
+BF16_RUN = TINY + ["train.global_batch_size=8", "train.max_steps=8"]
+BF16_STATE = TINY + ["train.precision=bf16", "strategy.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"]
 
-def test_zero_matches_reference_and_resumes_exactly(tiny, tmp_path):
-    """Per stage: 6 uninterrupted steps; 3 steps with a checkpoint; a fresh process group... resuming
-    from step 3 to 6 must reproduce steps 4..6 bit for bit. zero3 runs with activation checkpointing."""
-    base = tiny + ["train.global_batch_size=8", "optim.decay_steps=10", "checkpoint.every=3"]
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Every real-process run of this module, in two launches of 2 ranks rather than one per test (each
+    launch costs every rank DeepSpeed's start-up). The first: per stage 6 uninterrupted steps and 3 with a
+    checkpoint, the bf16 runs and `state_worker`. The second, a fresh process group: the resumes from step
+    3, then the loss-scaler workers. {name: per-rank results}."""
+    tmp = tmp_path_factory.mktemp("zero")
     runs = []
     for stage in ("zero1", "zero2", "zero3"):
-        over = base + [f"strategy.name={stage}", f"model.activation_checkpointing={stage == 'zero3'}"]
+        over = RESUME_BASE + [f"strategy.name={stage}", f"model.activation_checkpointing={stage == 'zero3'}"]
         runs += [
-            {"overrides": over + ["train.max_steps=6", f"train.out_dir={tmp_path / stage / 'full'}"]},
-            {"overrides": over + ["train.max_steps=3", f"train.out_dir={tmp_path / stage / 'part'}"]},
+            {"overrides": over + ["train.max_steps=6", f"train.out_dir={tmp / stage / 'full'}"]},
+            {"overrides": over + ["train.max_steps=3", f"train.out_dir={tmp / stage / 'part'}"]},
         ]
-    first = run_distributed("tests.workers:train_runs", 2, {"runs": runs})
-    resumed = run_distributed("tests.workers:train_runs", 2, {"runs": [
-        {"overrides": r["overrides"][:-2] + ["train.max_steps=6", r["overrides"][-1]], "fresh": False}
-        for r in runs[1::2]
-    ]})
-    ref_losses, ref_weights = reference_run(load_config(None, base + ["train.max_steps=6"]))
+    resume = [{"overrides": r["overrides"][:-2] + ["train.max_steps=6", r["overrides"][-1]], "fresh": False}
+              for r in runs[1::2]]
+    bf16 = [{"overrides": BF16_RUN + [f"strategy.name={s}", "train.precision=bf16", f"train.out_dir={tmp / 'bf16' / s}"]}
+            for s in ("zero1", "zero2", "zero3")]
+    first = {"first": ("tests.workers:train_runs", {"runs": runs}),
+             "bf16": ("tests.workers:train_runs", {"runs": bf16}),
+             "states": ("tests.test_zero:state_worker", {"overrides": BF16_STATE})}
+    second = {"resumed": ("tests.workers:train_runs", {"runs": resume}),
+              "loss_scale": ("tests.test_zero:loss_scaler_worker", {"overrides": TINY, "out_dir": str(tmp / "scaler")}),
+              "min_scale": ("tests.test_zero:min_scale_worker", {"overrides": TINY})}
+    out = {"tmp": tmp}
+    for calls in (first, second):
+        per_rank = run_distributed("tests.workers:several", 2, {"calls": [
+            {"target": target, "kwargs": kwargs} for target, kwargs in calls.values()]})
+        out.update({name: [rank[i] for rank in per_rank] for i, name in enumerate(calls)})
+    return out
+
+
+def test_zero_matches_reference_and_resumes_exactly(launches):
+    """Per stage: 6 uninterrupted steps; 3 steps with a checkpoint; a fresh process group... resuming
+    from step 3 to 6 must reproduce steps 4..6 bit for bit. zero3 runs with activation checkpointing."""
+    first, resumed, tmp = launches["first"], launches["resumed"], launches["tmp"]
+    ref_losses, ref_weights = reference_run(load_config(None, RESUME_BASE + ["train.max_steps=6"]))
     for i, stage in enumerate(("zero1", "zero2", "zero3")):
         full, part, again = first[0][2 * i], first[0][2 * i + 1], resumed[0][i]
         assert full["strategy"] == stage
@@ -152,7 +177,7 @@ def test_zero_matches_reference_and_resumes_exactly(tiny, tmp_path):
         assert part["losses"] == full["losses"][:3]
         assert again["losses"] == full["losses"][3:], stage  # exact: same bits as the uninterrupted run
         assert max_diff(again["weights"], full["weights"]) == 0, stage
-    ckpt = tmp_path / "zero3" / "part" / "checkpoints" / "step_00000003"
+    ckpt = tmp / "zero3" / "part" / "checkpoints" / "step_00000003"
     assert sorted(p.name for p in (ckpt / "deepspeed").iterdir()) == [
         f"zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")]
     assert not (ckpt / "latest").exists()  # only zerodp's own `latest` points at checkpoints
@@ -185,19 +210,16 @@ def state_worker(overrides: list[str]) -> dict:
     return out
 
 
-def test_bf16_band_and_state_bytes(tiny, tmp_path):
-    over = tiny + ["train.global_batch_size=8", "train.max_steps=8"]
-    runs = [{"overrides": over + [f"strategy.name={s}", "train.precision=bf16", f"train.out_dir={tmp_path / s}"]}
-            for s in ("zero1", "zero2", "zero3")]
-    results = run_distributed("tests.workers:train_runs", 2, {"runs": runs})[0]
-    ref_losses, _ = reference_run(load_config(None, over))
+def test_bf16_band_and_state_bytes(launches):
+    results = launches["bf16"][0]
+    ref_losses, _ = reference_run(load_config(None, BF16_RUN))
+    assert [res["strategy"] for res in results] == ["zero1", "zero2", "zero3"]
     for res in results:
         gap = max(abs(a - b) for a, b in zip(res["losses"], ref_losses))
         assert 0 < gap < BF16_BAND, (res["strategy"], gap)  # 16-bit, so not identical; but close
 
-    bf16 = tiny + ["train.precision=bf16", "strategy.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"]
-    states = run_distributed("tests.test_zero:state_worker", 2, {"overrides": bf16})[0]
-    P, N = param_count(load_config(None, tiny).model), 2
+    states = launches["states"][0]
+    P, N = param_count(load_config(None, TINY).model), 2
 
     def near(value, expected):  # flat partitions are padded to alignment
         return expected <= value <= expected * 1.01 + 1024
@@ -253,9 +275,8 @@ def loss_scaler_worker(overrides: list[str], out_dir: str) -> dict:
     return out
 
 
-def test_dynamic_loss_scale_survives_resume(tiny, tmp_path):
-    results = run_distributed("tests.test_zero:loss_scaler_worker", 2,
-                              {"overrides": tiny, "out_dir": str(tmp_path)})
+def test_dynamic_loss_scale_survives_resume(launches):
+    results = launches["loss_scale"]
     for stage, got in results[0].items():
         assert got["trained"]["cur_scale"] == 2**12 and got["trained"]["cur_iter"] == 5, (stage, got)
         assert got["resumed"] == got["trained"], stage
@@ -299,10 +320,10 @@ def min_scale_worker(overrides: list[str]) -> dict:
     return out
 
 
-def test_fp16_loss_scale_at_minimum_is_one_line_error(tiny):
+def test_fp16_loss_scale_at_minimum_is_one_line_error(launches):
     """DeepSpeed's scaler raises a bare Exception when it overflows at min_loss_scale; zerodp turns it
     into a UserError (one line from the CLI, exit 2) saying what happened and what to change."""
-    results = run_distributed("tests.test_zero:min_scale_worker", 2, {"overrides": tiny})
+    results = launches["min_scale"]
     for stage, got in results[0].items():
         assert got["scales"] == [2.0**k for k in range(16, -1, -1)], stage  # halved on each of 16 overflows
         assert got["type"] == "LossScaleExhausted" and "\n" not in got["error"], got

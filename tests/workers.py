@@ -35,6 +35,19 @@ def train_runs(runs: list[dict]) -> list[dict]:
     return results
 
 
+def several(calls: list[dict]) -> list:
+    """Run several of these functions in turn in one process group, where each would otherwise start
+    its own (each launch costs the ranks' start-up: torch, DeepSpeed): [{"target": "module:function",
+    "kwargs": {...}}]. Returns their results, in order."""
+    import importlib
+
+    results = []
+    for call in calls:
+        module, fn = call["target"].split(":")
+        results.append(getattr(importlib.import_module(module), fn)(**call.get("kwargs", {})))
+    return results
+
+
 def die_at_step(overrides: list[str], rank: int, step: int) -> dict:
     """`rank` dies (no goodbye) when it starts optimizer step `step`; the others report what they saw."""
     real_step = zerodp.train.train_step
@@ -77,12 +90,16 @@ def hang_at_step(overrides: list[str], rank: int, step: int, seconds: float) -> 
 
 def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict:
     """Slow `rank` by `delay` seconds per step, in its compute or in its data loading; or, with
-    where="device", by `delay` seconds per matrix multiply (a device that computes slowly)."""
+    where="device", by `delay` seconds per matrix multiply (a device that computes slowly). The
+    slowed functions are put back after the run (`several` runs this more than once in a process)."""
+    import torch
+    import torch.nn.functional as F
+
+    from zerodp.models import GPT
+
+    real = (F.linear, torch.mm, GPT.forward, TokenBatches.rank_micro_batches)
     if dist.get_rank() == rank:
         if where == "device":
-            import torch
-            import torch.nn.functional as F
-
             def slowed(fn):
                 def slow(*args, **kwargs):
                     time.sleep(delay)
@@ -91,8 +108,6 @@ def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict
 
             F.linear, torch.mm = slowed(F.linear), slowed(torch.mm)
         elif where == "compute":  # a slow device: its forward (and backward) take longer
-            from zerodp.models import GPT
-
             real_forward = GPT.forward
 
             def slow_forward(self, *args, **kwargs):
@@ -109,7 +124,10 @@ def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict
 
             TokenBatches.rank_micro_batches = slow_batches
     cfg = load_config(None, overrides + ["data.prefetch=0"])
-    summary = train(cfg, fresh=True)
+    try:
+        summary = train(cfg, fresh=True)
+    finally:
+        F.linear, torch.mm, GPT.forward, TokenBatches.rank_micro_batches = real
     records = [json.loads(x) for x in (Path(cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()] \
         if dist.get_rank() == 0 else []
     return {"records": records, "straggler_wait_s": summary["straggler_wait_s"]}

@@ -190,16 +190,16 @@ def _run_config(source) -> dict:
 # -- generate ----------------------------------------------------------------------------------------
 
 def run_generate(args) -> int:
-    import torch
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
+    if args.top_k < 0 or args.temperature < 0:
+        raise UserError("--top-k and --temperature cannot be negative (0 means: all tokens / the most likely one)")
+    import torch  # after the checks of the arguments alone: those fail at once, not after torch's import
 
     from zerodp.api import model_from_source
     from zerodp.convert import open_checkpoint
     from zerodp.sample import next_token
 
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
-    if args.top_k < 0 or args.temperature < 0:
-        raise UserError("--top-k and --temperature cannot be negative (0 means: all tokens / the most likely one)")
     device = _device(args.device)
     with open_checkpoint(args.path) as source:
         run_cfg = _run_config(source)
@@ -254,16 +254,16 @@ def eval_config(source, overrides: list[str]):
 
 
 def run_eval(args) -> int:
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: give at least 1")
     import numpy as np
-    import torch
+    import torch  # after the check of the arguments alone: that fails at once, not after torch's import
     from tqdm import tqdm
 
     from zerodp.api import model_from_source
     from zerodp.convert import open_checkpoint
     from zerodp.data import PreparedTokens, load_tokens, prepared_meta
 
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size {args.batch_size}: give at least 1")
     device = _device(args.device)
     with open_checkpoint(args.path) as source:
         cfg = eval_config(source, args.overrides)

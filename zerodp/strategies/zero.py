@@ -150,6 +150,29 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def _import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon optimizer with `torch.compile` left out of it. Its ZeRO engines import it
+    on the first engine and step (only to recognise a Muon optimizer), and the module torch.compiles
+    three of its functions as it is imported, which imports inductor: about 2 s of every rank's start-up
+    on a CPU core, for an optimizer zerodp never runs (it hands DeepSpeed torch's AdamW or
+    DeepSpeedCPUAdam). Under train.compile=true zerodp's own torch.compile is unaffected."""
+    import sys
+
+    from deepspeed.runtime import compiler
+
+    name = "deepspeed.runtime.zero.muon.muon_optimizer"
+    if name in sys.modules or not hasattr(compiler, "compile"):
+        return
+    real = compiler.compile
+    compiler.compile = lambda: (lambda fn: fn)
+    try:
+        __import__(name)
+    except ImportError:  # a DeepSpeed without Muon
+        pass
+    finally:
+        compiler.compile = real
+
+
 class ZeroStrategy:
     layout = "deepspeed"
 
@@ -183,6 +206,7 @@ class ZeroStrategy:
             os.environ.setdefault(var, str(value))
         model = self._materialise(model, config)
         self.optimizer = self._optimizer(model, ctx.cfg)
+        _import_muon_uncompiled()
         self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config)
         self.module = self.model.module
         self._initialise(model, ctx.cfg.train.seed)

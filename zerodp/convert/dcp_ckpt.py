@@ -18,7 +18,7 @@ import torch
 
 from zerodp.convert import dcp_chunks
 from zerodp.convert.safeload import read_dcp_metadata, safe_dcp_planner, safe_dcp_reader
-from zerodp.convert.source import MOMENTS, CheckpointSource, FileRanges, TensorInfo, check_kind, empty
+from zerodp.convert.source import MOMENTS, CheckpointSource, FileRanges, TensorInfo, check_kind
 from zerodp.errors import CheckpointError
 
 _OPT = re.compile(r"^(optim\.|optimizer\.|optimizers\.)?state\.(.+)\.(exp_avg|exp_avg_sq|step)$")
@@ -99,7 +99,7 @@ class DcpSource(CheckpointSource):
     def _load_many(self, keys: list[str]) -> list[torch.Tensor]:
         """The tensors of `keys`: each chunk read straight into place (zerodp.convert.dcp_chunks), in file
         order; any chunk laid out otherwise in one dcp.load (one pass per file, one planning round)."""
-        out = {k: empty(tuple(self.meta_of[k].size), self.meta_of[k].properties.dtype) for k in keys}
+        out = {k: torch.empty(tuple(self.meta_of[k].size), dtype=self.meta_of[k].properties.dtype) for k in keys}
         try:
             rest = self._read_direct(out, keys)
             if rest:

@@ -17,19 +17,21 @@ a byte budget).
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import mmap
 import os
 import re
 import struct
+import sys
 import zipfile
 from pathlib import Path
 
 import torch
 
 from zerodp.convert.safeload import safe_torch_load
-from zerodp.convert.source import MOMENTS, CheckpointSource, FileRanges, TensorInfo, check_kind, empty, madvise
+from zerodp.convert.source import MOMENTS, CheckpointSource, FileRanges, TensorInfo, check_kind
 from zerodp.errors import CheckpointError
 
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -43,7 +45,18 @@ _MADV_DONTNEED = 4
 _PAGE = mmap.PAGESIZE
 
 
-_madvise = madvise  # (libc's, where there is one)
+def _libc_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        f = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return f
+
+
+_madvise = _libc_madvise()
 
 
 def file_mappings(path: Path) -> list[tuple[int, int]]:
@@ -371,7 +384,7 @@ class DeepSpeedSource(CheckpointSource):
             t = self._buffers[name]
             return t.float().clone() if t.is_floating_point() else t.clone()
         info = self._infos[name]
-        out = empty(info.numel, torch.float32)
+        out = torch.empty(info.numel, dtype=torch.float32)
         where = self.locate(name, kind)
         if where is not None:  # positioned reads straight into place: no page of the mapping is touched
             where.read_into(out, self._fds)

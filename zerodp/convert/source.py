@@ -9,11 +9,9 @@ master weights for DeepSpeed, DCP and zerodp; the file's dtype for safetensors),
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,36 +22,6 @@ import torch
 from zerodp.errors import CheckpointError
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
-_HUGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB base pages)
-_MADV_HUGEPAGE = 14
-
-
-def _libc_madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        f = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    f.argtypes, f.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return f
-
-
-madvise = _libc_madvise()
-
-
-def empty(shape, dtype: torch.dtype) -> torch.Tensor:
-    """torch.empty for a tensor a conversion fills, its memory asked to be backed by transparent huge
-    pages (madvise MADV_HUGEPAGE: Linux, where THP is "always" or "madvise"; elsewhere a plain
-    torch.empty). Conversion maps every tensor afresh (zerodp.convert.stream._tensors_back_to_the_os),
-    so each page faults in when first written: 0.72 s per GB on 4 KiB pages on the 2-vCPU VM zerodp is
-    tested on, 0.15 s on 2 MiB ones."""
-    t = torch.empty(shape, dtype=dtype)
-    start, n = t.data_ptr(), t.numel() * t.element_size()
-    lo, hi = -(-start // _HUGE) * _HUGE, (start + n) // _HUGE * _HUGE
-    if madvise is not None and hi > lo:
-        madvise(lo, hi - lo, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
-    return t
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -274,7 +242,7 @@ class SafetensorsFile:
 
     def read(self, name: str) -> torch.Tensor:
         dtype, shape, start, stop = self.entries[name]
-        buf = empty(stop - start, torch.uint8)
+        buf = torch.empty(stop - start, dtype=torch.uint8)
         with open(self.path, "rb") as f:
             f.seek(start)
             got = f.readinto(memoryview(buf.numpy()))

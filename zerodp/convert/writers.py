@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from zerodp.convert.source import (MOMENTS, CheckpointSource, FileRanges, TensorInfo, empty, names_layout,
+from zerodp.convert.source import (MOMENTS, CheckpointSource, FileRanges, TensorInfo, names_layout,
                                   write_safetensors_file)
 # check_destination, convert_output_kind and parse_size stay part of this module's API
 from zerodp.convert.destination import (  # noqa: F401
@@ -153,7 +153,7 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
 
     def cast(index: int, t: torch.Tensor) -> torch.Tensor:  # in the reading thread (zerodp.convert.stream)
         want = infos[order[index][0]].dtype
-        return empty(t.shape, want).copy_(t) if t.dtype != want else t
+        return t.to(want) if t.dtype != want else t
 
     sizes = [infos[n].nbytes for n, _ in order]
     with _publish(source, dst) as out, _progress(total, "convert", progress) as bar, \
@@ -235,9 +235,9 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
         if tuple(t.shape) != want.shape:  # state.mismatch compared the headers; this is the data
             raise CheckpointError(f"{source.path}: {name} has shape {tuple(t.shape)} there but {want.shape} "
                                   f"in the output; set the model section to the checkpoint's dimensions")
-        if t.dtype == want.dtype and t.is_contiguous():
-            return t
-        return empty(want.shape, want.dtype).copy_(t)  # one pass: cast and layout
+        if t.dtype == want.dtype:
+            return t.contiguous()  # (`to` would hand a transposed view back as it is)
+        return t.to(want.dtype, memory_format=torch.contiguous_format)  # one pass: cast and layout
 
     total = sum(i.nbytes for i in infos.values())
     sizes = [infos[h].nbytes for h in hf_order]

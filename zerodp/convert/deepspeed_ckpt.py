@@ -59,8 +59,9 @@ def _libc_madvise():
 _madvise = _libc_madvise()
 
 
-def file_mappings(path: Path) -> list[tuple[int, int]]:
-    """The address ranges at which this process maps `path` (Linux's /proc/self/maps); [] if unknown."""
+def file_mappings(path: Path) -> list[tuple[int, int, int]]:
+    """(start address, end address, file offset) of each mapping of `path` in this process (Linux's
+    /proc/self/maps); [] if unknown."""
     want = str(Path(path).resolve())
     try:
         with open("/proc/self/maps") as f:
@@ -72,25 +73,18 @@ def file_mappings(path: Path) -> list[tuple[int, int]]:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5] == want:
             lo, hi = fields[0].split("-")
-            ranges.append((int(lo, 16), int(hi, 16)))
+            ranges.append((int(lo, 16), int(hi, 16), int(fields[2], 16)))
     return ranges
 
 
-def file_offset(t: torch.Tensor, path: Path) -> int | None:
-    """The offset in `path` of tensor `t`'s first byte, when `t` lies in this process's mapping of that
-    file (torch.load(mmap=True) maps a rank file whole; its stored records are uncompressed); else None."""
-    want, ptr = str(Path(path).resolve()), t.data_ptr()
-    try:
-        with open("/proc/self/maps") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5] == want:
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= ptr and ptr + t.numel() * t.element_size() <= hi:
-                return ptr - lo + int(fields[2], 16)
+def file_offset(t: torch.Tensor, mapped: list[tuple[int, int, int]]) -> int | None:
+    """The offset in its file of tensor `t`'s first byte, when `t` lies in one of that file's mappings
+    `mapped` (`file_mappings`: torch.load(mmap=True) maps a rank file whole, and its stored records
+    are uncompressed); else None."""
+    ptr = t.data_ptr()
+    for lo, hi, offset in mapped:
+        if lo <= ptr and ptr + t.numel() * t.element_size() <= hi:
+            return ptr - lo + offset
     return None
 
 
@@ -123,7 +117,7 @@ def _with_records(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, in
     return out
 
 
-def drop_pages(t: torch.Tensor, mapped: list[tuple[int, int]]) -> bool:
+def drop_pages(t: torch.Tensor, mapped: list[tuple[int, int, int]]) -> bool:
     """Give back the resident pages wholly inside tensor `t`'s bytes (madvise MADV_DONTNEED) when they
     lie in one of the file mappings `mapped`: a clean page of a file mapping is re-read from the file if
     touched again, so nothing changes but resident memory (memory not mapped from a file is never
@@ -132,7 +126,7 @@ def drop_pages(t: torch.Tensor, mapped: list[tuple[int, int]]) -> bool:
         return False
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
-    if not any(lo <= start and end <= hi for lo, hi in mapped):
+    if not any(lo <= start and end <= hi for lo, hi, _ in mapped):
         return False
     lo, hi = -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
     return hi <= lo or _madvise(lo, hi - lo, _MADV_DONTNEED) == 0
@@ -171,7 +165,7 @@ class _Ranks:
     def __init__(self, files: list[Path]):
         self.files = files
         self.cache: dict[int, dict] = {}
-        self.mapped: dict[int, list[tuple[int, int]]] = {}  # rank -> where its file is mapped
+        self.mapped: dict[int, list[tuple[int, int, int]]] = {}  # rank -> where its file is mapped
         self.touched = 0
 
     def osd(self, rank: int) -> dict:
@@ -241,8 +235,9 @@ class DeepSpeedSource(CheckpointSource):
         # The module's own copy of the trained weights (bf16 or fp32, ZeRO-1/2): never read, the fp32
         # partitions are; where it lies, for a check of only what is read (unread_ranges)
         self._module_ranges = []
+        model_mapped = file_mappings(model_file)
         for n, t in ms["module"].items():
-            if n in self._infos and t.numel() > 0 and (at := file_offset(t, model_file)) is not None:
+            if n in self._infos and t.numel() > 0 and (at := file_offset(t, model_mapped)) is not None:
                 self._module_ranges.append((str(model_file), at, t.numel() * t.element_size()))
         self._frozen = dict(ms.get("frozen_param_shapes") or {})
         tied = {k: v for k, v in (ms.get("shared_params") or {}).items()}
@@ -415,7 +410,7 @@ class DeepSpeedSource(CheckpointSource):
             if (r, g, kind) not in self._flat_at:  # each flat partition's place in its file, found once
                 flat = self.ranks.osd(r)[key][g] if kind == "param" else self._state(r, g)[kind]
                 ok = flat.dtype == torch.float32 and flat.is_contiguous()
-                self._flat_at[(r, g, kind)] = file_offset(flat, self.optim_files[r]) if ok else None
+                self._flat_at[(r, g, kind)] = file_offset(flat, self.ranks.mapped[r]) if ok else None
             at = self._flat_at[(r, g, kind)]
             if at is None:
                 return None
@@ -435,7 +430,7 @@ class DeepSpeedSource(CheckpointSource):
                 except (CheckpointError, KeyError):  # no optimizer state saved: nothing there to leave out
                     return _with_records(ranges)
                 for flat in flats:
-                    at = file_offset(flat, self.optim_files[r]) if flat.numel() else None
+                    at = file_offset(flat, self.ranks.mapped[r]) if flat.numel() else None
                     if at is not None:
                         ranges.append((str(self.optim_files[r]), at, flat.numel() * flat.element_size()))
         return _with_records(ranges)

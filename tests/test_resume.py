@@ -157,8 +157,8 @@ def test_fresh_sets_earlier_checkpoints_aside_and_never_mixes_runs(launched):
     root = out / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
     assert checkpoint.find_resumable(out) == root / "step_00000001"
-    (aside,) = out.glob("checkpoints.before-*")
-    assert (aside / "step_00000003" / "meta.json").is_file()  # nothing saved is lost
+    (aside,) = out.glob("earlier-*")
+    assert (aside / "checkpoints" / "step_00000003" / "meta.json").is_file()  # nothing saved is lost
 
 
 def test_resume_from_an_imported_checkpoint(launched, tmp_path):

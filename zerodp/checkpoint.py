@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 from dataclasses import dataclass, field
@@ -31,23 +30,12 @@ from safetensors.torch import load_file, save_file
 from zerodp.dist import broadcast_object
 from zerodp.errors import CheckpointError
 
-from zerodp.manifest import FORMAT_VERSION, META, file_record, sha256_file, verify  # noqa: F401  (part of this API)
+from zerodp.manifest import (FORMAT_VERSION, META, checkpoint_order, file_record, is_step_dir,  # noqa: F401
+                             latest_name, recorded_step, sha256_file, stale_latest, step_dir_name, verify)
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
     return Path(out_dir) / "checkpoints"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-_STEP_DIR = re.compile(r"step_\d{8}")
-
-
-def is_step_dir(p: Path) -> bool:
-    """A published checkpoint's folder name: not `.tmp` (a save in progress) nor `.damaged` (set aside)."""
-    return bool(_STEP_DIR.fullmatch(p.name)) and p.is_dir()
 
 
 def set_aside(ckpt: Path, reason: str) -> Path:
@@ -211,18 +199,27 @@ def _agree(error: str | None, tmp: Path, step: int, root: Path) -> None:
 
 def _apply_retention(root: Path, keep_last: int, current: Path) -> None:
     """Keep the newest `keep_last` intact checkpoints up to `current` (just published, never deleted)
-    and delete older intact ones. A damaged one (missing or truncated file, by the manifest's sizes)
-    does not count toward `keep_last`: it is set aside, never deleted. Later-numbered folders are
-    left alone."""
+    and delete older intact ones, newest by the step each records (`checkpoint_order`), never by folder
+    name. A damaged one (missing or truncated file, by the manifest's sizes) does not count toward
+    `keep_last`: it is set aside, never deleted. The checkpoint `latest` names is never deleted, and
+    folders that record a later step than `current` (a run resumed from an earlier `latest`) are left
+    alone."""
+    step = recorded_step(current)
+    named = latest_name(root)
     intact = []
-    for p in sorted((p for p in root.glob("step_*") if is_step_dir(p) and p.name <= current.name), reverse=True):
+    for p in checkpoint_order(root):
+        at = recorded_step(p)
+        if p != current and at is not None and step is not None and at > step:
+            continue
         problem = None if p == current else verify(p, deep=False)
         if problem:
             set_aside(p, problem)
         else:
             intact.append(p)
+    intact.sort(key=lambda p: p != current)  # the one just published counts first
     for old in intact[keep_last:]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name != named:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass
@@ -240,7 +237,9 @@ def find_resumable(out_dir: str | Path) -> Path | None:
 
 
 def resume_point(out_dir: str | Path, set_aside_damaged: bool = True) -> ResumePoint:
-    """The newest complete, intact checkpoint under out_dir, skipping damaged newer ones (set aside, i.e.
+    """The checkpoint a run in out_dir resumes from: the one `latest` names when it is complete and
+    intact, else the newest intact one by the step its meta.json records (`checkpoint_order`), skipping
+    damaged ones (set aside, i.e.
     renamed `*.damaged` by rank 0 when `set_aside_damaged`, so they are reported once and never counted
     again; otherwise only warned about).
 
@@ -249,10 +248,13 @@ def resume_point(out_dir: str | Path, set_aside_damaged: bool = True) -> ResumeP
     ranked = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if ranked else (0, 1)
     root = checkpoint_root(out_dir)
-    candidates = sorted((p.name for p in root.glob("step_*") if is_step_dir(p)), reverse=True) \
-        if root.is_dir() else []
+    candidates = [p.name for p in checkpoint_order(root)]
+    stale = stale_latest(root) if rank == 0 else None
     if ranked:  # one listing for all ranks, whatever each one's view of the file system
         candidates = broadcast_object(candidates)
+    if stale:
+        print(f"zerodp: warning: {stale}; resuming from the newest intact checkpoint by step instead",
+              file=sys.stderr)
     found = ResumePoint(None)
     for name in candidates:
         problem = verify(root / name, share=(rank, world))

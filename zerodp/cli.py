@@ -26,7 +26,8 @@ def _add_train(sub) -> None:
     # default=[]: argparse otherwise lists an empty nargs="*" positional among the missing arguments
     p.add_argument("overrides", nargs="*", default=[], help="section.key=value, e.g. train.max_steps=50")
     p.add_argument("--fresh", action="store_true",
-                   help="start from step 0 even if out_dir has checkpoints (they are moved aside, not deleted)")
+                   help="start from step 0 even if out_dir has checkpoints (the earlier run's checkpoints, metrics and "
+                        "config are moved together into out_dir/earlier-<date>, not deleted)")
     p.add_argument("--dry-run", action="store_true",
                    help="run every check that needs no process group, print the plan, the resolved config, the "
                         "keys that differ from the defaults and where the run would start; then exit")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import sys
 import threading
 from pathlib import Path
 
@@ -89,23 +91,89 @@ def verify(ckpt: Path, deep: bool = True, share: tuple[int, int] = (0, 1)) -> st
     return None
 
 
+_STEP_DIR = re.compile(r"step_\d{8}")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def is_step_name(name: str) -> bool:
+    """Whether `name` is a published checkpoint's folder name, `step_` and eight digits."""
+    return bool(_STEP_DIR.fullmatch(name))
+
+
+def is_step_dir(p: Path) -> bool:
+    """A published checkpoint's folder name: not `.tmp` (a save in progress) nor `.damaged` (set aside)."""
+    return bool(_STEP_DIR.fullmatch(p.name)) and p.is_dir()
+
+
+def recorded_step(ckpt: Path) -> int | None:
+    """The training step a checkpoint's meta.json records, or None when it has no readable one."""
+    try:
+        return int(json.loads((ckpt / META).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_name(root: Path) -> str | None:
+    """The folder name `root/latest` holds, or None when there is no `latest` (or it cannot be read)."""
+    try:
+        return (Path(root) / "latest").read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def checkpoint_order(root: Path) -> list[Path]:
+    """Every published step folder of a checkpoints root, in the order a reader tries them: the folder
+    `latest` names first, then the others by the step their meta.json records, newest first. This is the
+    one rule resume, retention, `zerodp inspect`, `--dry-run` and conversion follow: a folder's name is
+    not its step (an import or an earlier version may have named it otherwise), and `latest` is how a
+    user chooses a checkpoint. Folders without a readable meta.json (interrupted) come last, by name;
+    the caller's integrity check rejects them."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    folders = [p for p in root.iterdir() if is_step_dir(p)]
+    steps = {p: recorded_step(p) for p in folders}
+    ordered = sorted(folders, key=lambda p: (steps[p] is not None, steps[p] or 0, p.name), reverse=True)
+    named = latest_name(root)
+    first = [p for p in ordered if p.name == named]
+    return first + [p for p in ordered if p.name != named]
+
+
+def stale_latest(root: Path) -> str | None:
+    """Why `root/latest` cannot be followed (it names no published step folder), or None when it can
+    or there is no `latest`: the readers then fall back to the newest intact checkpoint by step."""
+    named = latest_name(root)
+    if named is None or (_STEP_DIR.fullmatch(named) and (Path(root) / named).is_dir()):
+        return None
+    return f"{Path(root) / 'latest'} names {named!r}, which is not a checkpoint folder here"
+
+
 def resolve_step_folder(path: Path) -> Path | None:
-    """A step folder for `path` if it is one, or an out_dir / checkpoints root (its `latest`)."""
+    """A step folder for `path` if it is one, or the checkpoint an out_dir or checkpoints root resumes
+    from: the first of `checkpoint_order` that is complete (sizes checked; the sha256 is the reader's)."""
     path = Path(path)
     if (path / META).is_file():
         return path
     for root in (path / "checkpoints", path):
-        latest = root / "latest"
-        if latest.is_file():
-            target = root / latest.read_text().strip()
-            if (target / META).is_file():
-                return target
-            if target.name.startswith("step_"):
-                raise CheckpointError(f"{latest} points to {target.name}, which has no {META} (missing or "
-                                      f"interrupted); pass an intact step_ folder explicitly")
-        steps = sorted(p for p in root.glob("step_*") if p.is_dir() and (p / META).is_file())
-        if steps and root.name == "checkpoints":
-            return steps[-1]
+        named = latest_name(root)
+        if root.name != "checkpoints" and not (named or "").startswith("step_"):
+            continue  # not zerodp's: a DeepSpeed save_dir's `latest` names a global_step folder
+        problem, order = stale_latest(root), checkpoint_order(root)
+        for candidate in order:
+            damaged = verify(candidate, deep=False)
+            if damaged is None:
+                if problem:
+                    print(f"zerodp: warning: {problem}; reading {candidate.name}, the newest intact checkpoint",
+                          file=sys.stderr)
+                return candidate
+            problem = problem or f"{candidate.name} is damaged ({damaged})"
+        if order:  # none is intact: the reader's own check says what is wrong with the first
+            return order[0]
+        if problem:
+            raise CheckpointError(f"{problem}; pass an intact step_ folder explicitly")
     return None
 
 

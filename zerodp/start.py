@@ -30,6 +30,22 @@ class StartPlan:
     """Damaged checkpoints passed over (name, what is wrong), newest first."""
     why: str = ""
     """One line: what the run will do, for the log and --dry-run."""
+    set_aside: list[str] = field(default_factory=list)
+    """The earlier run's files in out_dir that a start at step 0 moves aside first (none on resume)."""
+
+
+# What a run writes at the top of its out_dir: a run that starts over moves these aside together.
+RUN_FILES = ("checkpoints", "metrics.jsonl", "config.yaml", "tensorboard", "wandb")
+
+
+def earlier_run(out_dir: Path) -> list[str]:
+    """The files of an earlier run in `out_dir` (a lone config.yaml, of a launch that stopped at its
+    start-up checks, is no earlier run: it is rewritten)."""
+    present = [n for n in RUN_FILES if (out_dir / n).exists()]
+    checkpoints = out_dir / "checkpoints"
+    if "checkpoints" in present and checkpoints.is_dir() and not any(checkpoints.iterdir()):
+        present.remove("checkpoints")
+    return present if set(present) - {"config.yaml"} else []
 
 
 def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0) -> StartPlan:
@@ -57,6 +73,11 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0)
                             f"starting over from step 0")
             else:
                 plan.why = f"no checkpoint in {root}: starting from step 0"
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if plan.resume_from is None and not restarted:  # a restarted attempt continues its own first attempt
+        plan.set_aside = earlier_run(out_dir)
+        if plan.set_aside:
+            plan.why += f"; the earlier run ({', '.join(plan.set_aside)}) is moved aside to {out_dir}/earlier-<date>"
     if rank != 0:
         return plan
     model_cfg = cfg.to_dict()["model"]

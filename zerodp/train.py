@@ -173,8 +173,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
 
     train_data, val_data = agree(env, inputs)
     if env.rank == 0:
-        if fresh:
-            _set_aside_checkpoints(env, out_dir)
+        if start_plan.set_aside:
+            _set_aside_earlier_run(env, out_dir, start_plan.set_aside)
         (out_dir / "config.yaml").write_text(dump_yaml(cfg))  # resolved: auto replaced by the choice
     dist.barrier()
     if plan is not None:  # after the input checks: a bad input stays a one-line error
@@ -464,14 +464,21 @@ def _is_collective_failure(e: BaseException) -> bool:
                                    "timed out", "Gloo", "NCCL", "connectFullMesh"))
 
 
-def _set_aside_checkpoints(env: DistEnv, out_dir: Path) -> None:
-    """--fresh: move an earlier run's checkpoints aside (never delete what was saved), so that neither
-    resume nor retention ever mixes them with the new run's."""
-    root = checkpoint.checkpoint_root(out_dir)
-    if root.is_dir() and any(root.iterdir()):
-        aside = out_dir / f"checkpoints.before-{time.strftime('%Y%m%d-%H%M%S')}"
-        os.replace(root, aside)
-        log(env, f"--fresh: moved the earlier checkpoints to {aside}")
+def _set_aside_earlier_run(env: DistEnv, out_dir: Path, names: list[str]) -> None:
+    """A run that starts at step 0 over an earlier one (--fresh, checkpoint.resume=false, or a run that
+    never saved): move the earlier run's files (`names`: its checkpoints, metrics.jsonl, config.yaml,
+    logger folders) together into one folder beside them, never deleting or truncating what it wrote,
+    so that neither resume nor retention ever mixes the two runs."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = out_dir / f"earlier-{stamp}", 1
+    while aside.exists():
+        n += 1
+        aside = out_dir / f"earlier-{stamp}-{n}"
+    aside.mkdir()
+    for name in names:
+        if (out_dir / name).exists():
+            os.replace(out_dir / name, aside / name)
+    log(env, f"moved the earlier run ({', '.join(names)}) to {aside}")
 
 
 def _truncate_metrics(path: Path, start: int) -> None:
@@ -482,7 +489,9 @@ def _truncate_metrics(path: Path, start: int) -> None:
         path.unlink()
         return
     kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
-    path.write_text("".join(ln + "\n" for ln in kept))
+    tmp = path.with_name(path.name + ".tmp")  # swapped in whole: a crash here leaves the old file
+    tmp.write_text("".join(ln + "\n" for ln in kept))
+    os.replace(tmp, path)
 
 
 def _progress(cfg: Config, env: DistEnv, start: int):

@@ -118,7 +118,25 @@ def _convert(args, shard, window, hashing, t0) -> int:
     written = sum(f.stat().st_size for f in Path(args.dst).rglob("*") if f.is_file())
     print(f"converted {src.format} checkpoint {src.path} ({n} tensors) to {what} in {args.dst} "
           f"({written / 1e6:,.0f} MB in {seconds:.1f}s, {written / 1e6 / max(seconds, 1e-9):,.0f} MB/s)")
+    if args.to == "zerodp":
+        _say_what_resumes(Path(args.dst))
     return 0
+
+
+def _say_what_resumes(dst: Path) -> None:
+    """An import into a run's checkpoints folder: say so when a rerun of that run would resume from
+    another checkpoint (the one `latest` names, or a newer one), and how to choose this one."""
+    from zerodp.manifest import checkpoint_order, latest_name, recorded_step
+
+    root = dst.parent
+    if root.name != "checkpoints" or dst.name not in {p.name for p in checkpoint_order(root)}:
+        return
+    first = checkpoint_order(root)[0]
+    if first.name == dst.name:
+        return
+    why = "`latest` names it" if latest_name(root) == first.name else "it records a later step"
+    print(f"note: a run in {root.parent} resumes from {first.name} (step {recorded_step(first)}: {why}), not from "
+          f"this import; to resume from it: echo {dst.name} > {root / 'latest'}")
 
 
 def run_inspect(args) -> int:

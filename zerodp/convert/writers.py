@@ -297,10 +297,29 @@ def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = N
     has them), optim.json (AdamW step per parameter), trainer.json and meta.json with its manifest.
     zerodp.checkpoint.verify() accepts the result; `step` overrides the source's training step."""
     dst = Path(dst)
+    train_step = step if step is not None else source.step()
+    _check_step_name(dst, train_step)
     check_destination(dst, "zerodp", overwrite, _read_paths(source))
     with _publish(source, dst) as out:
-        _write_zerodp_into(out, source, step if step is not None else source.step(), progress, window)
+        _write_zerodp_into(out, source, train_step, progress, window)
     return dst
+
+
+def _check_step_name(dst: Path, train_step: float | None) -> None:
+    """A `step_N` destination must hold step N: training numbers its next saves from the step the
+    checkpoint records, and a folder named for another step would be mistaken for it by anyone reading
+    the folder names (and was, by earlier resume code)."""
+    from zerodp.manifest import is_step_name, step_dir_name
+
+    if not is_step_name(dst.name):
+        return
+    named, at = int(dst.name.removeprefix("step_")), int(train_step or 0)
+    if named == at:
+        return
+    recorded = (f"the source records step {at}" if train_step is not None
+                else "the source records no training step (it becomes step 0)")
+    raise UserError(f"{dst} is named for step {named} but {recorded}: name it {dst.with_name(step_dir_name(at))}, "
+                    f"or pass --step {named} to record step {named}")
 
 
 def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | None, progress: bool,

@@ -1,5 +1,5 @@
-"""What the plan's table and sentences say: durations from nanoseconds to minutes (a tiny model's step
-is microseconds)."""
+"""What the plan's table and sentences say: the order a tie goes by (with `single` on one device), and
+durations from nanoseconds to minutes (a tiny model's step is microseconds)."""
 
 import argparse
 import json
@@ -7,9 +7,12 @@ import re
 
 import pytest
 
+from zerodp.config import Config
+from zerodp.planner import Cluster, Workload, choose, gpu_preset, plan_for_training, preset
 from zerodp.planner.cli import add_parser, run
 from zerodp.planner.units import seconds
 
+GB = 10**9
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
               "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
@@ -20,6 +23,32 @@ def plan_output(capsys, *argv) -> str:
     add_parser(parser.add_subparsers(dest="command"))
     assert run(parser.parse_args(["plan", *argv])) == 0
     return capsys.readouterr().out
+
+
+# --- the order of simplicity a tie goes by ---------------------------------------------------------
+
+@pytest.mark.parametrize("model, seq_len, gpus, nodes, order", [
+    ("gpt2", 64, 1, 1, "single < zero1 < zero2 < fsdp < zero3"),
+    ("llama2-7b", 4096, 8, 1, "ddp < zero1 < zero2 < fsdp < zero3"),
+    ("llama2-7b", 4096, 8, 2, "ddp < zero1 < zero2 < fsdp < zero3 < fsdp+hybrid < zero3+zero++"),
+])
+def test_the_tie_order_names_the_rows_of_the_plan(model, seq_len, gpus, nodes, order):
+    """Item 11: 'single is simpler (ddp < zero1 < ...)' named an order without single."""
+    cluster = Cluster(gpu=gpu_preset("h100"), gpus_per_node=gpus, nodes=nodes,
+                      interconnect="infiniband-rail" if nodes > 1 else None)
+    plan = choose(preset(model), cluster, Workload(1, seq_len))
+    ties = [r for r in plan.reasons if "simpler" in r]
+    assert ties, plan.reasons
+    for r in ties:
+        assert r.endswith(f" ({order}).") and (f"and {plan.choice_name} is simpler" in r
+                                               or f"the simpler {plan.choice_name} is kept" in r), r
+
+
+def test_a_cpu_tie_goes_to_single_by_an_order_that_has_single():
+    plan = plan_for_training(Config(), 1, 8 * GB, "cpu")
+    assert plan.choice == "single"
+    assert "zero1: fits (0.1 GB), predicted 29.4 ms per step vs 29.4 ms for single: within 3%, and single is " \
+           "simpler (single < zero1 < zero2 < fsdp < zero3)." in plan.reasons
 
 
 # --- durations ---------------------------------------------------------------------------------------

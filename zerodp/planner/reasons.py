@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.memory import MARGIN, Layout, MemoryEstimate, Workload, activation_bytes, estimate
 from zerodp.planner.models import ModelSpec
-from zerodp.planner.rows import CLOSE, ORDER, TIE, best, layouts, offloads
+from zerodp.planner.rows import CLOSE, TIE, best, layouts, offloads
 from zerodp.planner.units import gb, seconds
 
 if TYPE_CHECKING:
@@ -178,8 +178,14 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], plan: Plan) ->
         return f"{fits}, but slower: {speed}, {how}: {_slower_because(r, chosen)}."
     if ratio < 1:
         return (f"{fits}, {speed}: {1 / ratio - 1:.1%} faster, within {TIE:.0%}, so the simpler {chosen.name} "
-                f"is kept ({ORDER}).")
-    return f"{fits}, {speed}: within {TIE:.0%}, and {chosen.name} is simpler ({ORDER})."
+                f"is kept ({_order(plan)}).")
+    return f"{fits}, {speed}: within {TIE:.0%}, and {chosen.name} is simpler ({_order(plan)})."
+
+
+def _order(plan: Plan) -> str:
+    """The rows a tie can go to, simplest first, as this plan has them: 'single < zero1 < ... < zero3' on one
+    GPU, 'ddp < ... < zero3+zero++' on several nodes (offload rows are not among them: see `pick`)."""
+    return " < ".join(r.name for r in plan.estimates if not offloads(r))
 
 
 def _sharded(workload: Workload) -> str:

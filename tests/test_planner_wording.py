@@ -1,5 +1,6 @@
-"""What the plan's table and sentences say: the order a tie goes by (with `single` on one device), and
-durations from nanoseconds to minutes (a tiny model's step is microseconds)."""
+"""What the plan's table and sentences say: the device its figures are per (GPU for `zerodp plan`, CPU
+rank for a CPU training run), the order a tie goes by (with `single` on one device), and durations
+from nanoseconds to minutes (a tiny model's step is microseconds)."""
 
 import argparse
 import json
@@ -7,7 +8,7 @@ import re
 
 import pytest
 
-from zerodp.config import Config
+from zerodp.config import Config, ModelConfig
 from zerodp.planner import Cluster, Workload, choose, gpu_preset, plan_for_training, preset
 from zerodp.planner.cli import add_parser, run
 from zerodp.planner.units import seconds
@@ -23,6 +24,33 @@ def plan_output(capsys, *argv) -> str:
     add_parser(parser.add_subparsers(dest="command"))
     assert run(parser.parse_args(["plan", *argv])) == 0
     return capsys.readouterr().out
+
+
+# --- per what: GPU or CPU rank ---------------------------------------------------------------------
+
+def test_a_cpu_training_plan_is_per_cpu_rank():
+    """Item 11: the table strategy: auto prints on CPU ranks said 'per GPU' and 'tok/s/gpu'."""
+    table = plan_for_training(Config(), 2, 8 * GB, "cpu").table()
+    assert not re.search(r"\bgpus?\b", table, re.I), table
+    assert "memory per CPU rank in GB (1e9 bytes)" in table
+    assert re.search(r"^strategy .* step +tok/s/rank +effic", table, re.M), table
+    assert re.search(r"^Choice: ddp .* of 8\.0 GB per CPU rank, .* tokens/s per CPU rank\)", table, re.M), table
+
+
+def test_a_cpu_plan_that_does_not_fit_counts_cpu_ranks():
+    cfg = Config()
+    cfg.model = ModelConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=128)
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 2
+    plan = plan_for_training(cfg, 2, int(1.2 * GB), "cpu")
+    assert plan.choice is None
+    assert plan.suggestion == "Smallest that fits: 4 CPU ranks with fsdp and activation checkpointing on."
+    assert not re.search(r"\bgpus?\b", plan.table(), re.I), plan.table()
+
+
+def test_a_gpu_plan_is_per_gpu(capsys):
+    out = plan_output(capsys, "--model", "llama2-7b", "--gpus", "8")
+    assert "memory per GPU in GB" in out and re.search(r"^strategy .* tok/s/gpu ", out, re.M)
+    assert "CPU rank" not in out and "tok/s/rank" not in out
 
 
 # --- the order of simplicity a tie goes by ---------------------------------------------------------

@@ -130,3 +130,29 @@ def test_every_field_is_documented():
     for section in Config().to_dict().values():
         for key in section:
             assert f"    {key}:" in src
+
+
+def test_what_you_set_is_told_apart_from_what_was_resolved(tmp_path):
+    """Item 12: --dry-run's 'differs from the defaults' listed model.n_kv_head, bias and tie_embeddings,
+    which the user never set (gpt2's defaults for keys left null)."""
+    from zerodp.config import set_and_resolved, user_settings
+
+    path = write(tmp_path, "model:\n  n_layer: 4\n  n_head: 8\n  n_kv_head: null\ntrain:\n  max_steps: 3e2\n"
+                           "strategy:\n  name: auto\n")
+    overrides = ["optim.lr=3e-4", "strategy.deepspeed.zero_optimization.stage=2"]
+    given = user_settings(path, overrides)
+    assert given == {"model.n_layer": 4, "model.n_head": 8, "model.n_kv_head": None, "train.max_steps": 300,
+                     "strategy.name": "auto", "optim.lr": 3e-4,
+                     "strategy.deepspeed": {"zero_optimization": {"stage": 2}}}
+    cfg = load_config(path, overrides)
+    cfg.strategy.name = "ddp"  # as strategy: auto would resolve it
+    mine, resolved = set_and_resolved(given, cfg)
+    # n_layer: 4 is the default; strategy.name=auto is the default too, and what it became is resolved
+    assert mine == [("model.n_head", 8), ("optim.lr", 3e-4), ("train.max_steps", 300),
+                    ("strategy.deepspeed", {"zero_optimization": {"stage": 2}})]
+    assert resolved == [("model.n_kv_head", 8), ("model.bias", True), ("model.tie_embeddings", True),
+                        ("strategy.name", "ddp")]
+    llama = load_config(path, overrides + ["model.arch=llama"])
+    mine, resolved = set_and_resolved(user_settings(path, overrides + ["model.arch=llama"]), llama)
+    assert ("model.arch", "llama") in mine
+    assert resolved == [("model.n_kv_head", 8), ("model.bias", False), ("model.tie_embeddings", False)]

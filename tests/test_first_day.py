@@ -232,12 +232,28 @@ def test_dry_run_says_where_the_run_would_start(run):
     r = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=6", "--dry-run")
     assert r.returncode == 0, r.stderr
     assert f"# resuming from {run}/checkpoints/step_00000004 at step 4 (saved by single on 1 process(es))" in r.stdout
-    assert "train.max_steps=6" in r.stdout.split("# differs from the defaults")[1]  # item 14
+    assert "train.max_steps=6" in r.stdout.split("# set by you, unlike the defaults")[1]  # item 14
     r = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "--dry-run", "--fresh")
     assert "# --fresh: starting from step 0" in r.stdout
     r = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "model.n_layer=3", "--dry-run")
     one_line_error(r, r"holds a different model than this config \(model.n_layer=2 there, 3 here\)")
     assert snapshot(run) == before
+
+
+def test_dry_run_lists_what_you_set_apart_from_what_was_resolved(tmp_path):
+    """Item 12: "differs from the defaults" listed model.n_kv_head=4, model.bias=True and
+    model.tie_embeddings=True, gpt2's defaults for keys the user never set, among the user's own."""
+    small = [a for a in SMALL if a != "strategy.name=single"]  # configs/tiny.yaml's strategy: auto stays
+    r = zerodp("train", ROOT / "configs/tiny.yaml", *small, f"train.out_dir={tmp_path}/run", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    mine = next(line for line in r.stdout.splitlines() if line.startswith("# set by you, unlike the defaults"))
+    resolved = next(line for line in r.stdout.splitlines() if line.startswith("# resolved, not set by you"))
+    assert "model.n_layer=2, model.n_head=2, model.n_embd=32, model.block_size=32" in mine, mine
+    assert "optim.lr=0.003" in mine and f"train.out_dir='{tmp_path}/run'" in mine, mine
+    assert not re.search(r"n_kv_head|model\.bias|tie_embeddings|strategy\.name", mine), mine
+    assert resolved.endswith(": model.n_kv_head=2, model.bias=True, model.tie_embeddings=True, "
+                             "strategy.name='single'"), resolved
+    assert not (tmp_path / "run").exists()
 
 
 # -- 10. say when the optimizer or the whole run starts over -------------------------------------------------------

@@ -246,7 +246,7 @@ def test_auto_where_even_micro_batch_1_does_not_fit_says_what_would():
     cfg = load_config(ROOT / "configs/tiny.yaml", ["model.n_layer=48", "model.n_embd=4096", "model.n_head=32",
                                                   "train.micro_batch_size=auto", "strategy.name=ddp"])
     with pytest.raises(UserError, match=r"^train.micro_batch_size=auto: nothing fits in [\d.]+ GB per rank on 2 "
-                                        r"rank\(s\)\. (Smallest that fits|It would fit|No number of GPUs)"):
+                                        r"rank\(s\)\. (Smallest that fits|It would fit|No number of CPU ranks)"):
         resolve_strategy(cfg, 2, torch.device("cpu"), 2)
     small = load_config(ROOT / "configs/tiny.yaml", ["train.micro_batch_size=auto", "strategy.name=ddp"])
     resolved, plan = resolve_strategy(small, 2, torch.device("cpu"), 2)

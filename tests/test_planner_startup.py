@@ -124,7 +124,7 @@ def test_cpu_training_checks_the_node_ram():
     assert e.total_bytes <= e.usable_bytes < e.startup_bytes and not e.fits
     assert not e.activation_checkpointing  # checkpointing cannot help a start-up peak
     reason = next(r for r in tight.reasons if r.startswith("zero2:"))
-    assert reason.startswith("zero2: does not fit at start-up: start-up peak 1.3 GB per GPU"), reason
+    assert reason.startswith("zero2: does not fit at start-up: start-up peak 1.3 GB per CPU rank"), reason
     assert tight.choice == "fsdp" and not tight.activation_checkpointing
 
 

@@ -30,7 +30,8 @@ def _add_train(sub) -> None:
                         "config are moved together into out_dir/earlier-<date>, not deleted)")
     p.add_argument("--dry-run", action="store_true",
                    help="run every check that needs no process group, print the plan, the resolved config, the "
-                        "keys that differ from the defaults and where the run would start; then exit")
+                        "keys you set (unlike the defaults), those resolved for you and where the run would start; "
+                        "then exit")
     p.set_defaults(func=_run_train)
 
 
@@ -53,11 +54,11 @@ def _run_config(args) -> int:
 
 
 def _run_train(args) -> int:
-    from zerodp.config import load_config
+    from zerodp.config import load_config, user_settings
 
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
-        return _dry_run(cfg, args.fresh)
+        return _dry_run(cfg, args.fresh, user_settings(args.config, args.overrides))
     from zerodp.dist import shutdown
     from zerodp.train import train
 
@@ -87,13 +88,14 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
-def _dry_run(cfg, fresh: bool) -> int:
+def _dry_run(cfg, fresh: bool, given: dict) -> int:
     """Run every check of a launch that needs no process group, then print the plan, the resolved
-    config, the keys that differ from the defaults and where the run would start. Writes nothing."""
+    config, the keys the user set (`given`, from config.user_settings) apart from those resolved for
+    them, and where the run would start. Writes nothing."""
     import torch
 
     from zerodp import loggers
-    from zerodp.config import changed_keys, dump_yaml
+    from zerodp.config import dump_yaml, set_and_resolved
     from zerodp.data import load_tokens
     from zerodp.planner import plan_for_training
     from zerodp.start import plan_start
@@ -121,9 +123,11 @@ def _dry_run(cfg, fresh: bool) -> int:
         print()
         print(dump_yaml(resolved), end="")
         print(f"# world_size {world}, grad_accum_steps {accum}, strategy {resolved.strategy.name}")
-        changed = changed_keys(cfg)
-        print("# differs from the defaults (zerodp config lists them all): "
-              + (", ".join(f"{k}={v!r}" for k, v, _ in changed) if changed else "nothing"))
+        mine, filled = set_and_resolved(given, resolved)
+        for what, pairs in (("set by you, unlike the defaults (zerodp config lists them all)", mine),
+                            ("resolved, not set by you (null keys from model.arch or model.hf_config, auto by "
+                             "the planner)", filled)):
+            print(f"# {what}: " + (", ".join(f"{k}={v!r}" for k, v in pairs) or "nothing"))
         print(f"# data: {len(tokens):,} tokens from {cfg.data.source}")
         print(f"# {start.why}")
     return 0

@@ -532,6 +532,17 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
     """Read a YAML config (or start from defaults when path is None), apply overrides, validate."""
+    raw, where = _read(path, overrides)
+    cfg = from_dict(raw, where)
+    if cfg.model.hf_config:
+        given = {k for k, v in (raw.get("model") or {}).items() if v is not None}
+        apply_hf_config(cfg.model, given, where)
+    return resolve_model(cfg).validate()
+
+
+def _read(path: str | os.PathLike | None, overrides: list[str]) -> tuple[dict, str]:
+    """The sections the YAML at `path` holds with `overrides` applied, as nested dicts (nothing checked
+    beyond the YAML and the overrides' form), and what errors call it: 'configs/tiny.yaml (with overrides)'."""
     raw: dict = {}
     where = "defaults"
     if path is not None:
@@ -560,12 +571,17 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
             _set_nested(body, key.split("."), value)
         else:
             body[key] = value
-    where = where if not overrides else f"{where} (with overrides)"
-    cfg = from_dict(raw, where)
-    if cfg.model.hf_config:
-        given = {k for k, v in (raw.get("model") or {}).items() if v is not None}
-        apply_hf_config(cfg.model, given, where)
-    return resolve_model(cfg).validate()
+    return raw, where if not overrides else f"{where} (with overrides)"
+
+
+def user_settings(path: str | os.PathLike | None, overrides: list[str] = ()) -> dict[str, Any]:
+    """`section.key` -> value, typed as the schema reads it, for every key the YAML at `path` or an override
+    sets (a strategy.deepspeed.* override as strategy.deepspeed), before anything is filled in: what the
+    user wrote, as opposed to what load_config resolves (model.arch's defaults, model.hf_config)."""
+    raw, where = _read(path, overrides)
+    typed = from_dict(raw, where)
+    return {f"{section}.{key}": getattr(getattr(typed, section), key)
+            for section, body in raw.items() if isinstance(body, dict) for key in body}
 
 
 def apply_hf_config(m: ModelConfig, given: set[str], where: str = "the config") -> ModelConfig:
@@ -710,13 +726,19 @@ def format_field_docs(section: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def changed_keys(cfg: Config) -> list[tuple[str, Any, Any]]:
-    """(section.key, value, default) for every key where `cfg` differs from the defaults."""
-    defaults, out = Config(), []
+def set_and_resolved(given: dict[str, Any], cfg: Config) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """What `--dry-run` lists, each as (section.key, value) in the schema's order: the keys `given` (from
+    user_settings) sets to something other than their default, with the value given; and the keys where
+    `cfg`, the config to run, holds something the user did not set: neither the value given nor, for a key
+    not given, the default (model.arch's defaults for keys left null, model.hf_config's dimensions, the
+    planner's choices for strategy.name and train.micro_batch_size auto)."""
+    defaults, mine, resolved = Config(), [], []
     for section in _SECTIONS:
-        ours, base = getattr(cfg, section), getattr(defaults, section)
-        for f in dataclasses.fields(ours):
-            value, default = getattr(ours, f.name), getattr(base, f.name)
-            if value != default:
-                out.append((f"{section}.{f.name}", value, default))
-    return out
+        for f in dataclasses.fields(getattr(defaults, section)):
+            key, default = f"{section}.{f.name}", getattr(getattr(defaults, section), f.name)
+            wrote, value = given.get(key, default), getattr(getattr(cfg, section), f.name)
+            if key in given and wrote != default:
+                mine.append((key, wrote))
+            if value != wrote:
+                resolved.append((key, value))
+    return mine, resolved

@@ -105,6 +105,12 @@ class Cluster:
         return self.gpus_per_node * self.nodes
 
     @property
+    def device(self) -> str:
+        """What each rank computes on, as the plan's sentences name it: 'GPU', or 'CPU rank' (CPU
+        processes share the machine's RAM and cores, so memory and tokens/s are per process)."""
+        return "GPU" if self.gpu.cuda else "CPU rank"
+
+    @property
     def link(self) -> str:
         """The slowest link a collective over every rank crosses."""
         if self.interconnect:

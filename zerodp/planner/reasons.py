@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.memory import MARGIN, Layout, MemoryEstimate, Workload, activation_bytes, estimate
 from zerodp.planner.models import ModelSpec
-from zerodp.planner.rows import CLOSE, ORDER, TIE, best, layouts, offloads
+from zerodp.planner.rows import CLOSE, TIE, best, layouts, offloads
 from zerodp.planner.units import gb, seconds
 
 if TYPE_CHECKING:
@@ -22,13 +22,14 @@ def _where(c: Cluster) -> str:
     return f"{nodes} x {gb(c.gpu.hbm_bytes)} {c.gpu.name}"
 
 
-def _per_s(r: MemoryEstimate) -> str:
-    return f"{r.tokens_per_s_per_gpu:,.0f} tokens/s per GPU"
+def _per_s(r: MemoryEstimate, device: str) -> str:
+    return f"{r.tokens_per_s_per_gpu:,.0f} tokens/s per {device}"
 
 
 def reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
     """One sentence for the choice, one on the micro batch or checkpointing, one per other row."""
     out: list[str] = []
+    device = plan.cluster.device
     if chosen:
         ckpt = "on" if chosen.activation_checkpointing else "off"
         micro = (f", micro batch {chosen.micro_batch} x {chosen.grad_accum_steps} accumulation"
@@ -37,8 +38,8 @@ def reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
                else "the fastest predicted step that fits" + (f" (simplest within {TIE:.0%})"
                                                               if _ties(plan, chosen) else ""))
         out.append(f"Choice: {chosen.name} with activation checkpointing {ckpt}{micro}: {gb(chosen.total_bytes)} "
-                   f"of {gb(chosen.hbm_bytes)} per GPU, predicted {seconds(chosen.step_s)} per step "
-                   f"({_per_s(chosen)}) at {chosen.scaling_efficiency:.0%} scaling efficiency: {why}.")
+                   f"of {gb(chosen.hbm_bytes)} per {device}, predicted {seconds(chosen.step_s)} per step "
+                   f"({_per_s(chosen, device)}) at {chosen.scaling_efficiency:.0%} scaling efficiency: {why}.")
         if chosen.offloaded_bytes:
             checked = "" if plan.cluster.cpu_ram_bytes else " (not checked: pass --cpu-ram)"
             out.append(f"Offloading keeps {gb(chosen.cpu_bytes_per_node)} per node in CPU RAM{checked}; "
@@ -49,8 +50,9 @@ def reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
         elif plan.requested_checkpointing is None:
             if chosen.activation_checkpointing:
                 without = activation_bytes(plan.model, plan.workload, False)
-                out.append(f"Activation checkpointing turned on: without it activations need {gb(without)} per GPU "
-                           "and it does not fit; recomputing the forward adds ~33% compute, included in the step time.")
+                out.append(f"Activation checkpointing turned on: without it activations need {gb(without)} per "
+                           f"{device} and it does not fit; recomputing the forward adds ~33% compute, included in "
+                           "the step time.")
             else:
                 out.append("Activation checkpointing left off: it fits without it, and it would add ~33% compute.")
     else:
@@ -70,11 +72,11 @@ def _ties(plan: Plan, chosen: MemoryEstimate) -> bool:
 def _micro_sentence(plan: Plan, chosen: MemoryEstimate) -> str:
     """Why this micro batch and checkpointing setting, from the search of the chosen row."""
     tried = plan.search.get(chosen.name, [])
-    ac = chosen.activation_checkpointing
+    ac, device = chosen.activation_checkpointing, plan.cluster.device
     fit = sorted({e.micro_batch for e in tried if e.fits and e.activation_checkpointing == ac})
     listed = ", ".join(map(str, fit)) if len(fit) <= 6 else f"{len(fit)} of them, {fit[0]} to {fit[-1]}"
     head = (f"Micro batch {chosen.micro_batch} of the divisors of {plan.global_batch // plan.cluster.world_size} "
-            f"sequences per GPU (global batch {plan.global_batch}): ")
+            f"sequences per {device} (global batch {plan.global_batch}): ")
     same = [e for e in tried if e.fits and e.activation_checkpointing == chosen.activation_checkpointing]
     if len(fit) > 1 and max(e.tokens_per_s_per_gpu for e in same) < chosen.tokens_per_s_per_gpu * (1 + CLOSE) \
             and min(e.tokens_per_s_per_gpu for e in same) * (1 + CLOSE) >= chosen.tokens_per_s_per_gpu:
@@ -86,14 +88,14 @@ def _micro_sentence(plan: Plan, chosen: MemoryEstimate) -> str:
         if other:
             alt = best(other)
             tail = (f"; checkpointing on: without it micro batch {alt.micro_batch} at most fits, "
-                    f"{_per_s(alt)}")
+                    f"{_per_s(alt, device)}")
         elif plan.requested_checkpointing is None:
             tail = "; checkpointing on: without it no micro batch fits"
         else:
             tail = "; checkpointing on, as requested"
     elif other and best(other).micro_batch > chosen.micro_batch:
         alt = best(other)
-        tail = (f"; checkpointing off: with it micro batch {alt.micro_batch} would fit, {_per_s(alt)} "
+        tail = (f"; checkpointing off: with it micro batch {alt.micro_batch} would fit, {_per_s(alt, device)} "
                 f"(recomputing the forward costs ~33%)")
     elif other:
         tail = "; checkpointing off: every micro batch fits without it, and recomputing the forward costs ~33%"
@@ -127,7 +129,7 @@ def _startup_host(r: MemoryEstimate, cluster: Cluster) -> str:
     return ", ".join(parts)
 
 
-def _slower_because(r: MemoryEstimate, chosen: MemoryEstimate) -> str:
+def _slower_because(r: MemoryEstimate, chosen: MemoryEstimate, device: str) -> str:
     """The term of the step-time model that makes `r` slower than the choice."""
     causes = []
     if r.compute_s > chosen.compute_s * 1.001:
@@ -137,12 +139,13 @@ def _slower_because(r: MemoryEstimate, chosen: MemoryEstimate) -> str:
     if r.exposed_comm_s > chosen.exposed_comm_s:
         inter = f", {gb(r.inter_node_bytes)} of it across nodes per node" if r.inter_node_bytes else ""
         causes.append(f"{seconds(r.exposed_comm_s)} of communication is not hidden behind compute "
-                      f"(vs {seconds(chosen.exposed_comm_s)}; it sends {gb(r.comm_bytes)} per GPU per step{inter})")
+                      f"(vs {seconds(chosen.exposed_comm_s)}; it sends {gb(r.comm_bytes)} per {device} per "
+                      f"step{inter})")
     return "; ".join(causes) or "its predicted step is longer"
 
 
 def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], plan: Plan) -> str:
-    cluster = plan.cluster
+    cluster, device = plan.cluster, plan.cluster.device
     if r.cpu_fits is False:
         return (f"needs {gb(r.cpu_bytes_per_node)} of CPU RAM per node for offloaded states, "
                 f"more than --cpu-ram allows.")
@@ -151,10 +154,10 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], plan: Plan) ->
                   (r.gathered_bytes, "gathered layers"),
                   (r.unsharded_grads_bytes, "unsharded gradients kept while accumulating"))
         smallest = " even at micro batch 1" if plan.global_batch else ""
-        return (f"does not fit{smallest}: needs {gb(r.total_bytes)} per GPU ({big[1]} {gb(big[0])}), "
+        return (f"does not fit{smallest}: needs {gb(r.total_bytes)} per {device} ({big[1]} {gb(big[0])}), "
                 f"over the {gb(r.usable_bytes)} usable.")
     if r.startup_bytes > r.usable_bytes:
-        return (f"does not fit at start-up: start-up peak {gb(r.startup_bytes)} per GPU "
+        return (f"does not fit at start-up: start-up peak {gb(r.startup_bytes)} per {device} "
                 f"({_startup_device(r)}) > {gb(r.usable_bytes)} usable, though training "
                 f"would then need {gb(r.total_bytes)}.")
     if r.startup_host_fits is False:
@@ -175,11 +178,17 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], plan: Plan) ->
     ratio = chosen.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu
     if ratio > 1 + TIE:
         how = f"{ratio - 1:.0%} slower" if ratio < 2 else f"{ratio:.1f}x as long"
-        return f"{fits}, but slower: {speed}, {how}: {_slower_because(r, chosen)}."
+        return f"{fits}, but slower: {speed}, {how}: {_slower_because(r, chosen, device)}."
     if ratio < 1:
         return (f"{fits}, {speed}: {1 / ratio - 1:.1%} faster, within {TIE:.0%}, so the simpler {chosen.name} "
-                f"is kept ({ORDER}).")
-    return f"{fits}, {speed}: within {TIE:.0%}, and {chosen.name} is simpler ({ORDER})."
+                f"is kept ({_order(plan)}).")
+    return f"{fits}, {speed}: within {TIE:.0%}, and {chosen.name} is simpler ({_order(plan)})."
+
+
+def _order(plan: Plan) -> str:
+    """The rows a tie can go to, simplest first, as this plan has them: 'single < zero1 < ... < zero3' on one
+    GPU, 'ddp < ... < zero3+zero++' on several nodes (offload rows are not among them: see `pick`)."""
+    return " < ".join(r.name for r in plan.estimates if not offloads(r))
 
 
 def _sharded(workload: Workload) -> str:
@@ -215,35 +224,36 @@ def _min_gpus(model: ModelSpec, cluster: Cluster, workload: Workload, ac: bool) 
 
 
 def _gpus(c: Cluster) -> str:
-    return f"{c.world_size} GPUs" + (f" ({c.nodes} nodes of {c.gpus_per_node})" if c.nodes > 1 else "")
+    return f"{c.world_size} {c.device}s" + (f" ({c.nodes} nodes of {c.gpus_per_node})" if c.nodes > 1 else "")
 
 
 def suggest(model: ModelSpec, cluster: Cluster, workload: Workload, requested: Optional[bool],
              without_offload: bool = False) -> str:
     """What would fit: checkpointing, more GPUs (for fsdp or zero3), or a smaller micro batch."""
-    ac, sharded = requested is not False, _sharded(workload)
+    ac, sharded, device = requested is not False, _sharded(workload), cluster.device
     ckpt = " with activation checkpointing on" if ac and requested is None else ""
     if without_offload:
         c = _min_gpus(model, cluster, workload, ac)
         return (f"without offloading, {sharded} fits on {_gpus(c)}{ckpt}." if c else
-                "without offloading, no number of GPUs fits this micro batch and sequence length.")
+                f"without offloading, no number of {device}s fits this micro batch and sequence length.")
     if requested is False:
         for layout in layouts(cluster, workload):
             r = estimate(model, dataclasses.replace(layout, activation_checkpointing=True))
             if r.fits:
-                return (f"It would fit with activation checkpointing on ({r.name}, {gb(r.total_bytes)} per GPU): "
+                return (f"It would fit with activation checkpointing on ({r.name}, {gb(r.total_bytes)} per {device}): "
                         f"pass --activation-checkpointing on or set model.activation_checkpointing=true.")
     c = _min_gpus(model, cluster, workload, ac)
     if c:
         return f"Smallest that fits: {_gpus(c)} with {sharded}{ckpt.replace(' with', ' and')}."
     if requested is False and (c := _min_gpus(model, cluster, workload, True)):
-        return (f"No number of GPUs fits without activation checkpointing; with it on "
+        return (f"No number of {device}s fits without activation checkpointing; with it on "
                 f"(--activation-checkpointing on), {sharded} fits on {_gpus(c)}.")
     huge = estimate(model, Layout(sharded, dataclasses.replace(cluster, nodes=1 << 14), workload,
                                   activation_checkpointing=ac))
     if huge.startup_host_fits is False:  # what no number of GPUs divides: one checkpoint tensor per rank
-        return (f"No number of GPUs helps: at start-up each node needs {gb(huge.startup_host_bytes_per_node)} "
-                f"of host RAM (loading a checkpoint reads one full fp32 tensor per rank), more than "
-                f"{gb(cluster.cpu_ram_bytes)}; give the node more RAM (--cpu-ram) or fewer ranks per node.")
-    return ("No number of GPUs helps: activations and gathered layers alone exceed the memory; "
+        return (f"No number of {device}s helps: at start-up each node needs "
+                f"{gb(huge.startup_host_bytes_per_node)} of host RAM (loading a checkpoint reads one full fp32 "
+                f"tensor per rank), more than {gb(cluster.cpu_ram_bytes)}; give the node more RAM (--cpu-ram) or "
+                "fewer ranks per node.")
+    return (f"No number of {device}s helps: activations and gathered layers alone exceed the memory; "
             "reduce --micro-batch or --seq-len.")

@@ -12,6 +12,7 @@ SCHEMA_VERSION = 2
 
 _COLUMNS = ("strategy", "micro", "accum", "ckpt", "params", "grads", "optim", "extra", "buffers", "activ", "overhd",
             "total", "startup", "fits", "headroom", "comm/step", "inter/node", "step", "tok/s/gpu", "effic", "cpu/node")
+"""Column names; on CPU ranks 'tok/s/gpu' reads 'tok/s/rank' (`_column_names`)."""
 
 
 _SEARCH_FIELDS = ("micro_batch", "grad_accum_steps", "activation_checkpointing", "fits", "total_bytes", "step_s",
@@ -29,10 +30,10 @@ def _header(plan) -> list[str]:
         f"cluster: {c.world_size} x {c.gpu.name} {gb(c.gpu.hbm_bytes)} ({nodes}), {c.link}, "
         f"MFU {c.mfu:.0%}" + (f", CPU RAM {gb(c.cpu_ram_bytes)}/node" if c.cpu_ram_bytes else ""),
         (f"step: global batch {plan.global_batch} sequences x {w.seq_len} tokens, micro batch searched among the "
-         f"divisors of {plan.global_batch // c.world_size} per GPU, " if plan.global_batch else
+         f"divisors of {plan.global_batch // c.world_size} per {c.device}, " if plan.global_batch else
          f"step: micro batch {w.micro_batch} x {w.seq_len} tokens x {w.grad_accum_steps} accumulation, ")
         + f"{w.precision}, activation checkpointing: {ckpt}",
-        f"memory per GPU in GB (1e9 bytes); fits = total and startup (start-up peak) within {1 - MARGIN:.0%} "
+        f"memory per {c.device} in GB (1e9 bytes); fits = total and startup (start-up peak) within {1 - MARGIN:.0%} "
         f"of {gb(c.gpu.hbm_bytes)}" + (f", start-up host RAM within {gb(c.cpu_ram_bytes)} per node"
                                        if c.cpu_ram_bytes else ""),
     ]
@@ -56,9 +57,14 @@ def _cells(e) -> list[str]:
     ]
 
 
+def _column_names(plan) -> list[str]:
+    per = "gpu" if plan.cluster.gpu.cuda else "rank"
+    return [f"tok/s/{per}" if name == "tok/s/gpu" else name for name in _COLUMNS]
+
+
 def render_table(plan) -> str:
     """The header, one row per strategy, then the choice and one sentence per rejected option."""
-    rows = [list(_COLUMNS)] + [_cells(e) for e in plan.estimates]
+    rows = [_column_names(plan)] + [_cells(e) for e in plan.estimates]
     if plan.cluster.nodes == 1:  # nothing crosses nodes
         drop = _COLUMNS.index("inter/node")
         rows = [r[:drop] + r[drop + 1:] for r in rows]

@@ -29,7 +29,6 @@ TIE = 0.03
 CLOSE = 0.005
 """Micro batches within this fraction of a row's best tokens/s are ties; the largest is shown (the constant
 MFU does not capture that kernels run better on more tokens per micro batch)."""
-ORDER = "ddp < zero1 < zero2 < fsdp < zero3 < fsdp+hybrid < zero3+zero++"
 
 
 def offloads(r: MemoryEstimate) -> bool:

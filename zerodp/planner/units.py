@@ -71,9 +71,19 @@ def human_count(n: int) -> str:
     return f"{n / 1e3:.1f}K" if n >= 10**3 else str(n)
 
 
+_DURATIONS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9))
+
+
 def seconds(s: float) -> str:
-    """A duration as '850 ms' or '1.23 s'."""
-    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
+    """A duration given in seconds, in the largest unit of s, ms, µs, ns that keeps it at 1 or more, to
+    three significant digits: '1.23 s', '850 ms', '29.4 ms', '41.7 µs'; whole from 100 up ('1,250 s');
+    zero is '0 s'. Durations a tiny model's step is made of stay apart ('31.2 µs vs 14.9 µs', not '0 ms')."""
+    if s <= 0:
+        return "0 s"
+    unit, scale = next(((u, k) for u, k in _DURATIONS if round(s / k, 2) >= 1), _DURATIONS[-1])
+    v = s / scale
+    digits = next((d for d, below in ((2, 10), (1, 100)) if round(v, d) < below), 0)
+    return f"{v:,.{digits}f} {unit}"
 
 
 def lookup(table: dict, name: str, what: str, otherwise: str):

@@ -1,0 +1,104 @@
+"""What the plan's table and sentences say: the device its figures are per (GPU for `zerodp plan`, CPU
+rank for a CPU training run), the order a tie goes by (with `single` on one device), and durations
+from nanoseconds to minutes (a tiny model's step is microseconds)."""
+
+import argparse
+import json
+import re
+
+import pytest
+
+from zerodp.config import Config, ModelConfig
+from zerodp.planner import Cluster, Workload, choose, gpu_preset, plan_for_training, preset
+from zerodp.planner.cli import add_parser, run
+from zerodp.planner.units import seconds
+
+GB = 10**9
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+              "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+
+
+def plan_output(capsys, *argv) -> str:
+    parser = argparse.ArgumentParser(prog="zerodp")
+    add_parser(parser.add_subparsers(dest="command"))
+    assert run(parser.parse_args(["plan", *argv])) == 0
+    return capsys.readouterr().out
+
+
+# --- per what: GPU or CPU rank ---------------------------------------------------------------------
+
+def test_a_cpu_training_plan_is_per_cpu_rank():
+    """Item 11: the table strategy: auto prints on CPU ranks said 'per GPU' and 'tok/s/gpu'."""
+    table = plan_for_training(Config(), 2, 8 * GB, "cpu").table()
+    assert not re.search(r"\bgpus?\b", table, re.I), table
+    assert "memory per CPU rank in GB (1e9 bytes)" in table
+    assert re.search(r"^strategy .* step +tok/s/rank +effic", table, re.M), table
+    assert re.search(r"^Choice: ddp .* of 8\.0 GB per CPU rank, .* tokens/s per CPU rank\)", table, re.M), table
+
+
+def test_a_cpu_plan_that_does_not_fit_counts_cpu_ranks():
+    cfg = Config()
+    cfg.model = ModelConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=128)
+    cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 2
+    plan = plan_for_training(cfg, 2, int(1.2 * GB), "cpu")
+    assert plan.choice is None
+    assert plan.suggestion == "Smallest that fits: 4 CPU ranks with fsdp and activation checkpointing on."
+    assert not re.search(r"\bgpus?\b", plan.table(), re.I), plan.table()
+
+
+def test_a_gpu_plan_is_per_gpu(capsys):
+    out = plan_output(capsys, "--model", "llama2-7b", "--gpus", "8")
+    assert "memory per GPU in GB" in out and re.search(r"^strategy .* tok/s/gpu ", out, re.M)
+    assert "CPU rank" not in out and "tok/s/rank" not in out
+
+
+# --- the order of simplicity a tie goes by ---------------------------------------------------------
+
+@pytest.mark.parametrize("model, seq_len, gpus, nodes, order", [
+    ("gpt2", 64, 1, 1, "single < zero1 < zero2 < fsdp < zero3"),
+    ("llama2-7b", 4096, 8, 1, "ddp < zero1 < zero2 < fsdp < zero3"),
+    ("llama2-7b", 4096, 8, 2, "ddp < zero1 < zero2 < fsdp < zero3 < fsdp+hybrid < zero3+zero++"),
+])
+def test_the_tie_order_names_the_rows_of_the_plan(model, seq_len, gpus, nodes, order):
+    """Item 11: 'single is simpler (ddp < zero1 < ...)' named an order without single."""
+    cluster = Cluster(gpu=gpu_preset("h100"), gpus_per_node=gpus, nodes=nodes,
+                      interconnect="infiniband-rail" if nodes > 1 else None)
+    plan = choose(preset(model), cluster, Workload(1, seq_len))
+    ties = [r for r in plan.reasons if "simpler" in r]
+    assert ties, plan.reasons
+    for r in ties:
+        assert r.endswith(f" ({order}).") and (f"and {plan.choice_name} is simpler" in r
+                                               or f"the simpler {plan.choice_name} is kept" in r), r
+
+
+def test_a_cpu_tie_goes_to_single_by_an_order_that_has_single():
+    plan = plan_for_training(Config(), 1, 8 * GB, "cpu")
+    assert plan.choice == "single"
+    assert "zero1: fits (0.1 GB), predicted 29.4 ms per step vs 29.4 ms for single: within 3%, and single is " \
+           "simpler (single < zero1 < zero2 < fsdp < zero3)." in plan.reasons
+
+
+# --- durations ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("s, text", [
+    (0, "0 s"), (3e-10, "0.30 ns"), (4.2e-9, "4.20 ns"), (1.25e-6, "1.25 µs"), (4.17e-5, "41.7 µs"),
+    (9.996e-4, "1.00 ms"), (0.0294, "29.4 ms"), (0.477, "477 ms"), (0.9996, "1.00 s"), (2.45, "2.45 s"),
+    (12.34, "12.3 s"), (1250, "1,250 s"),
+])
+def test_durations_pick_their_unit(s, text):
+    assert seconds(s) == text
+
+
+def test_a_tiny_models_plan_tells_its_step_times_apart(tmp_path, capsys):
+    """Item 11: `zerodp plan --hf-config` of a tiny model printed 'predicted 0 ms per step vs 0 ms for
+    zero3, 2.1x as long'."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    out = plan_output(capsys, "--hf-config", str(tmp_path), "--gpus", "8")
+    assert not re.search(r"\b0 ms\b", out), out
+    slower = re.findall(r"predicted (\S+ \S+) per step vs (\S+ \S+) for \S+, (?:\d+% slower|[\d.]+x as long)", out)
+    assert slower, out
+    for mine, chosen in slower:
+        assert mine != chosen, (mine, chosen)
+    assert re.search(r"^ddp: fits .*, but slower: predicted \d\.\d\d µs per step vs \d\.\d\d µs for zero3, 2\.1x "
+                     r"as long: \d\.\d\d µs of communication is not hidden", out, re.M), out

@@ -379,6 +379,19 @@ def val_mask(seed: int, first: int, n: int, val_fraction: float) -> np.ndarray:
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < val_fraction
 
 
+def prepared_meta(source: str) -> dict | None:
+    """meta.json of a `zerodp prepare` folder, or None when `source` is not one. Reads one small file:
+    training, the config (a vocabulary left unset) and `zerodp generate`/`eval` ask it what a path is."""
+    meta_file = Path(source) / META
+    if source == "builtin" or not meta_file.is_file():
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+
+
 def _not_replaceable(folder: Path) -> str | None:
     try:
         if json.loads((folder / META).read_text()).get("format") == FORMAT:

@@ -160,6 +160,18 @@ def test_the_run_records_the_vocabulary_it_took_and_resumes(prepared, trained, t
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == STEPS + 1
 
 
+def test_the_run_says_what_the_prepared_folder_holds(prepared, trained):
+    """One line, as the built-in corpus gets: documents, tokens of each split, the tokenizer."""
+    root, tok, meta = prepared
+    _, r = trained
+    tr, va = meta["splits"]["train"], meta["splits"]["val"]
+    line = (f"zerodp: data.source={root / 'data'}: a zerodp prepare folder, {meta['documents']} documents, "
+            f"{meta['tokens']:,} tokens: train {tr['tokens']:,} ({tr['documents']} documents), val {va['tokens']:,} "
+            f"({va['documents']} documents); tokenizer {tok.resolve()} (vocabulary {meta['vocab_size']}, "
+            f"model.vocab_size={meta['vocab_size']}, uint16)")
+    assert r.stderr.splitlines().count(line) == 1, r.stderr
+
+
 def test_vocab_too_small_is_one_line_exit_2(prepared, tmp_path):
     root, _, meta = prepared
     r = cli("train", "configs/tiny.yaml", *overrides(root / "data", tmp_path / "run", 300))

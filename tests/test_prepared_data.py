@@ -308,3 +308,29 @@ def test_generate_and_eval_refuse_bad_input(prepared, trained, tmp_path):
                        (("eval", out, "--batch-size", 0), "--batch-size")]:
         r = cli(*args)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, (args, r.stderr)
+
+
+def test_generate_and_eval_name_a_prepared_folder_and_what_to_pass(prepared, tmp_path, capsys):
+    """A prepare folder where the checkpoint goes is called a dataset, with what to pass instead; a
+    checkpoint without data (an export) is told the command that works, with its path as typed."""
+    from safetensors.torch import save_file
+    import torch
+
+    from zerodp.cli import main
+
+    data = prepared[0] / "data"
+    assert main(["generate", str(data)]) == 2
+    assert capsys.readouterr().err == (f"zerodp: error: {data} is a dataset written by zerodp prepare (train.bin, "
+                                       f"val.bin, meta.json), not a checkpoint; pass a checkpoint: the run folder of "
+                                       f"a training on it (its train.out_dir), a step folder or an export\n")
+    assert main(["eval", str(data)]) == 2
+    assert capsys.readouterr().err.endswith(f"not a checkpoint; give the checkpoint first and the data after it: "
+                                            f"zerodp eval RUN data.source={data} (RUN: a run folder, step folder or "
+                                            f"export)\n")
+    export = tmp_path / "hf-llama"
+    export.mkdir()
+    save_file({"lm_head.weight": torch.zeros(4, 4)}, export / "model.safetensors")
+    assert main(["eval", str(export)]) == 2
+    assert capsys.readouterr().err == (f"zerodp: error: {export} records no training data; name it: zerodp eval "
+                                       f"{export} data.source=DIR (a zerodp prepare folder)\n")
+

@@ -67,7 +67,7 @@ def test_token_files_equal_the_tokenizers_encoding(tmp_path, tok_path, tokenizer
     parquet = write_parquet(tmp_path / "c.parquet", c)
     out = tmp_path / "out"
     assert run(folder, jsonl, parquet, "--tokenizer", tok_path, "--out", out, "--val-fraction", 0.25,
-               "--seed", 3, "--batch-mb", 0.02) == 0
+               "--seed", 3, "--batch-size", "20kB") == 0
     assert "prepared 36 documents" in capsys.readouterr().out
     meta = json.loads((out / "meta.json").read_text())
     eot = tokenizer.token_to_id(EOT)
@@ -90,9 +90,9 @@ def test_token_files_equal_the_tokenizers_encoding(tmp_path, tok_path, tokenizer
 def test_output_does_not_depend_on_batching(tmp_path, tok_path):
     jsonl = write_jsonl(tmp_path / "a.jsonl", TEXTS)
     outs = []
-    for mb in (0.001, 100):
-        out = tmp_path / f"out{mb}"
-        assert run(jsonl, "--tokenizer", tok_path, "--out", out, "--val-fraction", 0.3, "--batch-mb", mb) == 0
+    for size in ("1kB", "100MB"):
+        out = tmp_path / f"out{size}"
+        assert run(jsonl, "--tokenizer", tok_path, "--out", out, "--val-fraction", 0.3, "--batch-size", size) == 0
         outs.append(out)
     for name in ("train.bin", "val.bin"):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
@@ -119,6 +119,14 @@ def test_uint32_for_a_vocabulary_over_65536(tmp_path):
     assert run(tmp_path / "a.txt", "--tokenizer", tmp_path, "--out", tmp_path / "out", "--val-fraction", 0) == 0
     assert np.fromfile(tmp_path / "out/train.bin", dtype=np.uint32).tolist() == [3, 70001, 0, 65537, 1]
     assert json.loads((tmp_path / "out/meta.json").read_text())["dtype"] == "uint32"
+
+
+def test_the_summary_says_counts_and_sizes_as_a_person_would(tmp_path, tok_path, capsys):
+    (tmp_path / "a.txt").write_text("x = 1\n")
+    assert run(tmp_path / "a.txt", "--tokenizer", tok_path, "--out", tmp_path / "out", "--val-fraction", 0) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"prepared 1 document (6 bytes in 1 file) into {tmp_path / 'out'}: train 1 document / "), out
+    assert ", val 0 documents / 0 tokens; uint16, vocabulary 400, separator '<|endoftext|>' (" in out
 
 
 def test_separator_choice(tmp_path, tok_path, tokenizer):
@@ -156,7 +164,7 @@ def test_overwrite_replaces_an_earlier_prepare(tmp_path, tok_path, capsys):
     ("bad_line", ["{tmp}/b.jsonl"], r"b.jsonl, line 3: not JSON \(.*\); each line must be one JSON object"),
     ("no_field", ["{tmp}/b.jsonl"], r"b.jsonl, line 2: no field 'text' \(its fields: id, body\); .*--field"),
     ("not_str", ["{tmp}/b.jsonl"], r"b.jsonl, line 1: field 'text' is 3, not a string"),
-    ("late_error", ["{a}", "{tmp}/ok.jsonl", "{tmp}/b.jsonl", "--batch-mb", "0.01"], r"b.jsonl, line 40: not JSON"),
+    ("late_error", ["{a}", "{tmp}/ok.jsonl", "{tmp}/b.jsonl", "--batch-size", "10kB"], r"b.jsonl, line 40: not JSON"),
     ("parquet", ["{tmp}/c.parquet"], r"c.parquet has no column 'text' \(its columns: id, body\); .*--field"),
     (None, ["{tmp}/bad.json.parquet"], r"is not a Parquet file pyarrow can read"),
     (None, ["{tmp}/empty.txt"], r"empty.txt is empty; give files that hold documents"),
@@ -165,6 +173,7 @@ def test_overwrite_replaces_an_earlier_prepare(tmp_path, tok_path, capsys):
     (None, ["{tmp}/missing.txt"], r"input .*missing.txt not found"),
     (None, ["{tmp}/bad.jsonl.gz"], r"bad.jsonl.gz is not valid gzip"),
     (None, ["{a}", "--val-fraction", "1.5"], r"--val-fraction 1.5 must be in \[0, 1\)"),
+    (None, ["{a}", "--batch-size", "0.5"], r"--batch-size '0.5' is not a size; write a number and a unit, e.g. 256KiB"),
     ("foreign", ["{a}", "--overwrite"], r"out holds notes.txt, which zerodp prepare did not write; .*never replaces"),
     ("run", ["{a}", "--overwrite"], r"out is a training run folder"),
     (None, ["{tmp}/docs", "--out", "{tmp}/docs/out"], r"the output .*docs/out lies inside the input"),
@@ -206,6 +215,14 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, tok_path, cap
         assert sorted(p.name for p in out.iterdir()) == ["notes.txt" if setup == "foreign" else "metrics.jsonl"]
     else:
         nothing_left(out)
+
+
+def test_the_help_says_sizes_as_a_person_would(capsys):
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--batch-size SIZE text per encode batch, e.g. 1MiB or 4MB (default 256KiB)" in text
+    assert "0.262144" not in text
 
 
 def test_zstd_jsonl(tmp_path, tok_path, tokenizer):

@@ -419,7 +419,7 @@ def prepare(opts: PrepareOptions) -> dict:
     if not 0.0 <= opts.val_fraction < 1.0:
         raise UserError(f"--val-fraction {opts.val_fraction} must be in [0, 1); 0 writes an empty val.bin")
     if opts.batch_bytes < 1:
-        raise UserError(f"--batch-mb must be positive, got {opts.batch_bytes / 1e6:g}")
+        raise UserError(f"--batch-size must be positive, got {opts.batch_bytes} bytes")
     tok = load_tokenizer(opts.tokenizer, opts.eot)
     sources = find_sources(opts.inputs, opts.field)
     given = [Path(i) for i in opts.inputs if i != "builtin"]  # folders too: DIR must not lie inside one
@@ -429,8 +429,8 @@ def prepare(opts: PrepareOptions) -> dict:
     with staged(opts.out) as tmp:
         counts = _encode_all(tok, sources, opts, tmp)
         if counts["train"]["documents"] == 0:
-            raise UserError(f"all {counts['val']['documents']} documents fell in the val split (--val-fraction "
-                            f"{opts.val_fraction}); lower it or give more documents")
+            raise UserError(f"all of the input ({plural(counts['val']['documents'], 'document')}) fell in the val "
+                            f"split (--val-fraction {opts.val_fraction}); lower it or give more documents")
         meta = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "zerodp_version": __version__,
             "tokenizer": {"path": str(tok.path.resolve()), "sha256": tok.sha256},
@@ -490,6 +490,18 @@ def _encode_all(tok: Tok, sources: list[Source], opts: PrepareOptions, out: Path
     if first == 0:
         raise UserError(f"the inputs hold no documents ({', '.join(opts.inputs)}); give files with text")
     return counts
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 document', '2,000 documents'."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def size_text(n: float) -> str:
+    """Bytes in decimal units, as input sizes and rates are said: '812 bytes', '4.7 kB', '1,234.5 MB'."""
+    if n < 1000:
+        return plural(round(n), "byte")
+    return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:,.1f} MB"
 
 
 def _write(tok: Tok, ids: list[list[int]], in_val: np.ndarray, train, val) -> tuple[np.ndarray, np.ndarray]:

@@ -50,11 +50,18 @@ def nothing_left(out):
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
 
 
-def expected(tokenizer, texts, seed, fraction, eot_id):
+def expected(tokenizer, texts, seed, fraction, eot_id, input_bytes=None):
+    """train.bin and val.bin as the docs say: whole documents by hash, and with `input_bytes` (the input
+    files' size) one longer than `fraction` of it split by tokens, its last round(fraction * n) in val."""
     train, val = [], []
     for i, t in enumerate(texts):
-        ids = tokenizer.encode(t).ids + [eot_id]
-        (val if val_mask(seed, i, 1, fraction)[0] else train).extend(ids)
+        ids = tokenizer.encode(t).ids
+        if input_bytes is not None and len(t.encode()) > fraction * input_bytes:
+            n_val = round(fraction * len(ids))
+            train += ids[: len(ids) - n_val] + [eot_id]
+            val += ids[len(ids) - n_val :] + [eot_id]
+        else:
+            (val if val_mask(seed, i, 1, fraction)[0] else train).extend(ids + [eot_id])
     return np.array(train), np.array(val)
 
 
@@ -87,8 +94,10 @@ def test_token_files_equal_the_tokenizers_encoding(tmp_path, tok_path, tokenizer
     assert meta["command"].startswith("zerodp prepare ") and "--val-fraction 0.25" in meta["command"]
 
 
-def test_output_does_not_depend_on_batching(tmp_path, tok_path):
-    jsonl = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+def test_output_does_not_depend_on_batching(tmp_path, tok_path, tokenizer):
+    """Nor does the split: one document longer than the val share, split by tokens, among whole ones."""
+    texts = TEXTS[:20] + ["".join(TEXTS[20:])] + TEXTS[:3]
+    jsonl = write_jsonl(tmp_path / "a.jsonl", texts)
     outs = []
     for size in ("1kB", "100MB"):
         out = tmp_path / f"out{size}"
@@ -96,6 +105,33 @@ def test_output_does_not_depend_on_batching(tmp_path, tok_path):
         outs.append(out)
     for name in ("train.bin", "val.bin"):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
+    train, val = expected(tokenizer, texts, 0, 0.3, tokenizer.token_to_id(EOT), jsonl.stat().st_size)
+    np.testing.assert_array_equal(np.fromfile(outs[0] / "val.bin", dtype=np.uint16), val)
+    np.testing.assert_array_equal(np.fromfile(outs[0] / "train.bin", dtype=np.uint16), train)
+    assert json.loads((outs[0] / "meta.json").read_text())["split_by_tokens"] == 1
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.99])
+def test_one_text_file_gets_a_val_split_by_tokens(tmp_path, tok_path, tokenizer, capsys, fraction):
+    """nanoGPT's input.txt: one document, longer than any share of the input, gives val.bin the last
+    `fraction` of its tokens, and prepare says so."""
+    text = "".join(TEXTS)
+    (tmp_path / "input.txt").write_text(text)
+    out = tmp_path / "out"
+    assert run(tmp_path / "input.txt", "--tokenizer", tok_path, "--out", out, "--val-fraction", fraction) == 0
+    ids, eot = tokenizer.encode(text).ids, tokenizer.token_to_id(EOT)
+    n_val = round(fraction * len(ids))
+    np.testing.assert_array_equal(np.fromfile(out / "train.bin", dtype=np.uint16), ids[: len(ids) - n_val] + [eot])
+    np.testing.assert_array_equal(np.fromfile(out / "val.bin", dtype=np.uint16), ids[len(ids) - n_val :] + [eot])
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["documents"] == 1 and meta["split_by_tokens"] == 1
+    assert meta["splits"]["train"]["documents"] == meta["splits"]["val"]["documents"] == 1
+    stdout = capsys.readouterr().out.splitlines()
+    assert stdout[0].startswith(f"prepared 1 document ({(tmp_path / 'input.txt').stat().st_size / 1e3:.1f} kB in 1 "
+                                f"file) into {out}: train 1 document / {len(ids) - n_val + 1:,} tokens, val 1 "
+                                f"document / {n_val + 1:,} tokens; uint16, vocabulary 400, separator"), stdout
+    assert stdout[1] == (f"split by tokens: 1 document is longer than --val-fraction {fraction} of the input, so the "
+                         f"last {fraction * 100:g}% of its tokens went to val.bin, the rest to train.bin")
 
 
 def test_val_mask_is_a_pure_function_of_seed_and_index():

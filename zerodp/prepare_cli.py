@@ -27,7 +27,8 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "prepare", help="tokenize text, JSONL or Parquet into train.bin/val.bin with a Hugging Face tokenizer",
         description="Encode documents with a tokenizers tokenizer.json (every core), each followed by the "
-                    "end-of-text token, split by whole documents into DIR/train.bin and DIR/val.bin (uint16, or "
+                    "end-of-text token, split by whole documents (by tokens for one longer than the val "
+                    "split's share) into DIR/train.bin and DIR/val.bin (uint16, or "
                     "uint32 for a vocabulary over 65536) and describe them in DIR/meta.json. Streams: memory "
                     "does not grow with the input. See docs/data.md.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,8 +39,9 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty; see --overwrite)")
     p.add_argument("--field", default="text", help="JSONL field / Parquet column with the text (default: text)")
     p.add_argument("--val-fraction", type=float, default=PrepareOptions.val_fraction,
-                   help=f"share of documents for val.bin, chosen by a hash of (seed, document number) "
-                        f"(default {PrepareOptions.val_fraction})")
+                   help=f"share of the input for val.bin: documents chosen by a hash of (seed, document number); "
+                        f"a document longer than that share of the input gives val.bin the same share of its "
+                        f"tokens, its last ones (default {PrepareOptions.val_fraction})")
     p.add_argument("--seed", type=int, default=0, help="which documents go to val.bin (default 0)")
     p.add_argument("--eot", default=None, metavar="TOKEN",
                    help="separator after each document (default: the tokenizer's end-of-text token); 'none': none")
@@ -71,6 +73,11 @@ def run_prepare(args) -> int:
           f"{plural(va['tokens'], 'token')}; "
           f"{meta['dtype']}, vocabulary {meta['vocab_size']:,}, separator {meta['eot_token']!r} ({seconds:.1f} s, "
           f"{size_text(meta['bytes'] / max(seconds, 1e-9))}/s)")
+    split, share = meta["split_by_tokens"], f"{meta['val_fraction'] * 100:g}%"
+    if split:
+        is_, whose = ("is", "its") if split == 1 else ("are", "each one's")
+        print(f"split by tokens: {plural(split, 'document')} {is_} longer than --val-fraction {meta['val_fraction']} "
+              f"of the input, so the last {share} of {whose} tokens went to val.bin, the rest to train.bin")
     if va["documents"] == 0 and meta["val_fraction"] > 0:
         print(f"zerodp: note: no document fell in val.bin (--val-fraction {meta['val_fraction']}, "
               f"{plural(meta['documents'], 'document')}); raise it for a validation split", file=sys.stderr)

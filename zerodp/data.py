@@ -12,8 +12,8 @@ uint32 token ids). What a text source gave (files, bytes, tokens) is said once o
 
 A folder written by `zerodp prepare` (it holds meta.json with format "zerodp-prepare") gives its own
 splits: train.bin for training and val.bin for validation (data.val_fraction and data.token_dtype are
-not used; meta.json says the dtype); what it holds (documents, tokens of each split, tokenizer) is said
-once on stderr. A config that leaves model.vocab_size unset gets meta.json's vocab_size
+not used; meta.json says the dtype); training says what it holds (documents, tokens of each split,
+tokenizer: describe_prepared) once both splits passed their checks. A config that leaves model.vocab_size unset gets meta.json's vocab_size
 (zerodp.config.take_prepared_vocab); one that sets it must set at least that. A val.bin
 too short for one block is an error while train.eval_every > 0 (re-prepare with a larger
 --val-fraction, or set train.eval_every=0).
@@ -163,13 +163,14 @@ def _load_prepared(cfg: Config, folder: Path, meta: dict) -> PreparedTokens:
         raise UserError(f"{folder / 'train.bin'} is empty; prepare more documents")
     for split in (data.train, data.val):
         _check_ids(split, cfg, folder)
-    if _on_rank0():
-        _say_what_was_prepared(cfg, data)
     return data
 
 
-def _say_what_was_prepared(cfg: Config, data: PreparedTokens) -> None:
-    """The prepared folder's line, as a text source gets one: documents, tokens of each split, tokenizer."""
+def describe_prepared(cfg: Config, data: np.ndarray | PreparedTokens) -> str | None:
+    """For a prepared folder the line training says once both splits passed their checks (as a text
+    source gets one from load_tokens): documents, tokens of each split, the tokenizer; else None."""
+    if not isinstance(data, PreparedTokens):
+        return None
     meta, splits = data.meta, data.meta.get("splits") or {}
 
     def documents(n) -> str:
@@ -179,10 +180,10 @@ def _say_what_was_prepared(cfg: Config, data: PreparedTokens) -> None:
     between = f" ({cut:,} split by tokens between train and val)" if cut else ""
     train, val = (documents((splits.get(s) or {}).get("documents")) for s in ("train", "val"))
     tokenizer = (meta.get("tokenizer") or {}).get("path")
-    print(f"zerodp: data.source={cfg.data.source}: a zerodp prepare folder, {documents(meta.get('documents'))}"
-          f"{between}, {len(data):,} tokens: train {len(data.train):,} ({train}), val {len(data.val):,} ({val}); "
-          f"tokenizer {tokenizer} (vocabulary {meta.get('vocab_size')}, model.vocab_size={cfg.model.vocab_size}, "
-          f"{data.train.dtype})", file=sys.stderr, flush=True)
+    return (f"data.source={cfg.data.source}: a zerodp prepare folder, {documents(meta.get('documents'))}{between}, "
+            f"{len(data):,} tokens: train {len(data.train):,} ({train}), val {len(data.val):,} ({val}); tokenizer "
+            f"{tokenizer} (vocabulary {meta.get('vocab_size')}, model.vocab_size={cfg.model.vocab_size}, "
+            f"{data.train.dtype})")
 
 
 def _check_ids(tokens: np.ndarray, cfg: Config, path: Path) -> None:
@@ -194,8 +195,8 @@ def _check_ids(tokens: np.ndarray, cfg: Config, path: Path) -> None:
 
 def load_tokens(cfg: Config) -> np.ndarray | PreparedTokens:
     """The whole token stream as a read-only memmap, or for a `zerodp prepare` folder its two splits.
-    For a text source or a prepared folder, rank 0 (or a process without a process group) says on stderr
-    what was read: files, bytes and tokens, or documents, tokens and the tokenizer."""
+    For a text source, rank 0 (or a process without a process group) says on stderr what was read:
+    files, bytes and tokens."""
     src = cfg.data.source
     meta = prepared_meta(src)
     if meta is not None:

@@ -13,8 +13,9 @@ uint32 token ids). What a text source gave (files, bytes, tokens) is said once o
 A folder written by `zerodp prepare` (it holds meta.json with format "zerodp-prepare") gives its own
 splits: train.bin for training and val.bin for validation (data.val_fraction and data.token_dtype are
 not used; meta.json says the dtype); training says what it holds (documents, tokens of each split,
-tokenizer: describe_prepared) once both splits passed their checks. A config that leaves model.vocab_size unset gets meta.json's vocab_size
-(zerodp.config.take_prepared_vocab); one that sets it must set at least that. A val.bin
+tokenizer: describe_prepared) once both splits passed their checks. A config that leaves
+model.vocab_size unset gets meta.json's vocab_size (zerodp.config.take_prepared_vocab); one that sets
+it must set at least that. A val.bin
 too short for one block is an error while train.eval_every > 0 (re-prepare with a larger
 --val-fraction, or set train.eval_every=0).
 """
@@ -38,7 +39,7 @@ import torch
 
 from zerodp.config import Config
 from zerodp.errors import UserError
-from zerodp.prepare import prepared_meta  # train, sample and use take it from here
+from zerodp.prepare import plural, prepared_meta  # train, sample and use take prepared_meta from here
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".tex")
 
@@ -174,7 +175,7 @@ def describe_prepared(cfg: Config, data: np.ndarray | PreparedTokens) -> str | N
     meta, splits = data.meta, data.meta.get("splits") or {}
 
     def documents(n) -> str:
-        return f"{n:,} document{'' if n == 1 else 's'}" if isinstance(n, int) else "documents"
+        return plural(int(n or 0), "document")
 
     cut = meta.get("split_by_tokens") or 0
     between = f" ({cut:,} split by tokens between train and val)" if cut else ""

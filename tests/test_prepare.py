@@ -50,11 +50,18 @@ def nothing_left(out):
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
 
 
-def expected(tokenizer, texts, seed, fraction, eot_id):
+def expected(tokenizer, texts, seed, fraction, eot_id, input_bytes=None):
+    """train.bin and val.bin as the docs say: whole documents by hash, and with `input_bytes` (the input
+    files' size) one longer than `fraction` of it split by tokens, its last round(fraction * n) in val."""
     train, val = [], []
     for i, t in enumerate(texts):
-        ids = tokenizer.encode(t).ids + [eot_id]
-        (val if val_mask(seed, i, 1, fraction)[0] else train).extend(ids)
+        ids = tokenizer.encode(t).ids
+        if input_bytes is not None and len(t.encode()) > fraction * input_bytes:
+            n_val = round(fraction * len(ids))
+            train += ids[: len(ids) - n_val] + [eot_id]
+            val += ids[len(ids) - n_val :] + [eot_id]
+        else:
+            (val if val_mask(seed, i, 1, fraction)[0] else train).extend(ids + [eot_id])
     return np.array(train), np.array(val)
 
 
@@ -67,7 +74,7 @@ def test_token_files_equal_the_tokenizers_encoding(tmp_path, tok_path, tokenizer
     parquet = write_parquet(tmp_path / "c.parquet", c)
     out = tmp_path / "out"
     assert run(folder, jsonl, parquet, "--tokenizer", tok_path, "--out", out, "--val-fraction", 0.25,
-               "--seed", 3, "--batch-mb", 0.02) == 0
+               "--seed", 3, "--batch-size", "20kB") == 0
     assert "prepared 36 documents" in capsys.readouterr().out
     meta = json.loads((out / "meta.json").read_text())
     eot = tokenizer.token_to_id(EOT)
@@ -87,15 +94,44 @@ def test_token_files_equal_the_tokenizers_encoding(tmp_path, tok_path, tokenizer
     assert meta["command"].startswith("zerodp prepare ") and "--val-fraction 0.25" in meta["command"]
 
 
-def test_output_does_not_depend_on_batching(tmp_path, tok_path):
-    jsonl = write_jsonl(tmp_path / "a.jsonl", TEXTS)
+def test_output_does_not_depend_on_batching(tmp_path, tok_path, tokenizer):
+    """Nor does the split: one document longer than the val share, split by tokens, among whole ones."""
+    texts = TEXTS[:20] + ["".join(TEXTS[20:])] + TEXTS[:3]
+    jsonl = write_jsonl(tmp_path / "a.jsonl", texts)
     outs = []
-    for mb in (0.001, 100):
-        out = tmp_path / f"out{mb}"
-        assert run(jsonl, "--tokenizer", tok_path, "--out", out, "--val-fraction", 0.3, "--batch-mb", mb) == 0
+    for size in ("1kB", "100MB"):
+        out = tmp_path / f"out{size}"
+        assert run(jsonl, "--tokenizer", tok_path, "--out", out, "--val-fraction", 0.3, "--batch-size", size) == 0
         outs.append(out)
     for name in ("train.bin", "val.bin"):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
+    train, val = expected(tokenizer, texts, 0, 0.3, tokenizer.token_to_id(EOT), jsonl.stat().st_size)
+    np.testing.assert_array_equal(np.fromfile(outs[0] / "val.bin", dtype=np.uint16), val)
+    np.testing.assert_array_equal(np.fromfile(outs[0] / "train.bin", dtype=np.uint16), train)
+    assert json.loads((outs[0] / "meta.json").read_text())["split_by_tokens"] == 1
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.5, 0.99])
+def test_one_text_file_gets_a_val_split_by_tokens(tmp_path, tok_path, tokenizer, capsys, fraction):
+    """nanoGPT's input.txt: one document, longer than any share of the input, gives val.bin the last
+    `fraction` of its tokens, and prepare says so."""
+    text = "".join(TEXTS)
+    (tmp_path / "input.txt").write_text(text)
+    out = tmp_path / "out"
+    assert run(tmp_path / "input.txt", "--tokenizer", tok_path, "--out", out, "--val-fraction", fraction) == 0
+    ids, eot = tokenizer.encode(text).ids, tokenizer.token_to_id(EOT)
+    n_val = round(fraction * len(ids))
+    np.testing.assert_array_equal(np.fromfile(out / "train.bin", dtype=np.uint16), ids[: len(ids) - n_val] + [eot])
+    np.testing.assert_array_equal(np.fromfile(out / "val.bin", dtype=np.uint16), ids[len(ids) - n_val :] + [eot])
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["documents"] == 1 and meta["split_by_tokens"] == 1
+    assert meta["splits"]["train"]["documents"] == meta["splits"]["val"]["documents"] == 1
+    stdout = capsys.readouterr().out.splitlines()
+    assert stdout[0].startswith(f"prepared 1 document ({(tmp_path / 'input.txt').stat().st_size / 1e3:.1f} kB in 1 "
+                                f"file) into {out}: train 1 document / {len(ids) - n_val + 1:,} tokens, val 1 "
+                                f"document / {n_val + 1:,} tokens; uint16, vocabulary 400, separator"), stdout
+    assert stdout[1] == (f"split by tokens: 1 document is longer than --val-fraction {fraction} of the input, so the "
+                         f"last {fraction * 100:g}% of its tokens went to val.bin, the rest to train.bin")
 
 
 def test_val_mask_is_a_pure_function_of_seed_and_index():
@@ -119,6 +155,14 @@ def test_uint32_for_a_vocabulary_over_65536(tmp_path):
     assert run(tmp_path / "a.txt", "--tokenizer", tmp_path, "--out", tmp_path / "out", "--val-fraction", 0) == 0
     assert np.fromfile(tmp_path / "out/train.bin", dtype=np.uint32).tolist() == [3, 70001, 0, 65537, 1]
     assert json.loads((tmp_path / "out/meta.json").read_text())["dtype"] == "uint32"
+
+
+def test_the_summary_says_counts_and_sizes_as_a_person_would(tmp_path, tok_path, capsys):
+    (tmp_path / "a.txt").write_text("x = 1\n")
+    assert run(tmp_path / "a.txt", "--tokenizer", tok_path, "--out", tmp_path / "out", "--val-fraction", 0) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"prepared 1 document (6 bytes in 1 file) into {tmp_path / 'out'}: train 1 document / "), out
+    assert ", val 0 documents / 0 tokens; uint16, vocabulary 400, separator '<|endoftext|>' (" in out
 
 
 def test_separator_choice(tmp_path, tok_path, tokenizer):
@@ -156,7 +200,7 @@ def test_overwrite_replaces_an_earlier_prepare(tmp_path, tok_path, capsys):
     ("bad_line", ["{tmp}/b.jsonl"], r"b.jsonl, line 3: not JSON \(.*\); each line must be one JSON object"),
     ("no_field", ["{tmp}/b.jsonl"], r"b.jsonl, line 2: no field 'text' \(its fields: id, body\); .*--field"),
     ("not_str", ["{tmp}/b.jsonl"], r"b.jsonl, line 1: field 'text' is 3, not a string"),
-    ("late_error", ["{a}", "{tmp}/ok.jsonl", "{tmp}/b.jsonl", "--batch-mb", "0.01"], r"b.jsonl, line 40: not JSON"),
+    ("late_error", ["{a}", "{tmp}/ok.jsonl", "{tmp}/b.jsonl", "--batch-size", "10kB"], r"b.jsonl, line 40: not JSON"),
     ("parquet", ["{tmp}/c.parquet"], r"c.parquet has no column 'text' \(its columns: id, body\); .*--field"),
     (None, ["{tmp}/bad.json.parquet"], r"is not a Parquet file pyarrow can read"),
     (None, ["{tmp}/empty.txt"], r"empty.txt is empty; give files that hold documents"),
@@ -165,6 +209,7 @@ def test_overwrite_replaces_an_earlier_prepare(tmp_path, tok_path, capsys):
     (None, ["{tmp}/missing.txt"], r"input .*missing.txt not found"),
     (None, ["{tmp}/bad.jsonl.gz"], r"bad.jsonl.gz is not valid gzip"),
     (None, ["{a}", "--val-fraction", "1.5"], r"--val-fraction 1.5 must be in \[0, 1\)"),
+    (None, ["{a}", "--batch-size", "0.5"], r"--batch-size '0.5' is not a size; write a number and a unit, e.g. 256KiB"),
     ("foreign", ["{a}", "--overwrite"], r"out holds notes.txt, which zerodp prepare did not write; .*never replaces"),
     ("run", ["{a}", "--overwrite"], r"out is a training run folder"),
     (None, ["{tmp}/docs", "--out", "{tmp}/docs/out"], r"the output .*docs/out lies inside the input"),
@@ -206,6 +251,14 @@ def test_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, tok_path, cap
         assert sorted(p.name for p in out.iterdir()) == ["notes.txt" if setup == "foreign" else "metrics.jsonl"]
     else:
         nothing_left(out)
+
+
+def test_the_help_says_sizes_as_a_person_would(capsys):
+    with pytest.raises(SystemExit):
+        main(["prepare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--batch-size SIZE text per encode batch, e.g. 1MiB or 4MB (default 256KiB)" in text
+    assert "0.262144" not in text
 
 
 def test_zstd_jsonl(tmp_path, tok_path, tokenizer):

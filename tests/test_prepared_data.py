@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import pytest
+import yaml
 
 from tests.conftest import TINY
 from tests.harness import ROOT
@@ -18,6 +19,7 @@ from tests.reference import LLAMA, reference_run
 from tests.text_fixtures import stdlib_texts, train_bpe, write_jsonl
 from zerodp.config import load_config
 from zerodp.data import PreparedTokens, TokenBatches, load_tokens
+from zerodp.errors import UserError
 from zerodp.prepare import PrepareOptions, prepare
 from zerodp.sample import decode, prompt_tokens
 
@@ -30,8 +32,11 @@ def cli(*args):
 
 
 def overrides(data_dir, out_dir, vocab, *more):
-    return [*TINY, *LLAMA, f"data.source={data_dir}", f"model.vocab_size={vocab}", f"train.max_steps={STEPS}",
-            f"train.out_dir={out_dir}", *more]
+    """TINY on the prepared folder; vocab None leaves model.vocab_size unset (meta.json's is taken)."""
+    tiny = [o for o in TINY if vocab is not None or not o.startswith("model.vocab_size=")]
+    given = [] if vocab is None else [f"model.vocab_size={vocab}"]
+    return [*tiny, *LLAMA, f"data.source={data_dir}", *given, f"train.max_steps={STEPS}", f"train.out_dir={out_dir}",
+            *more]
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +52,11 @@ def prepared(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(prepared):
-    """3 steps through the CLI, with a checkpoint at the end and the end-of-run sample."""
+    """3 steps through the CLI, with a checkpoint at the end and the end-of-run sample; model.vocab_size
+    left unset, as configs/tiny.yaml leaves it."""
     root, tok, meta = prepared
     out = root / "run"
-    r = cli("train", "configs/tiny.yaml", *overrides(root / "data", out, meta["vocab_size"],
+    r = cli("train", "configs/tiny.yaml", *overrides(root / "data", out, None,
             "train.sample_tokens=12", "train.eval_every=3", f"checkpoint.every={STEPS}"))
     assert r.returncode == 0, r.stderr
     return out, r
@@ -117,6 +123,53 @@ def test_sample_falls_back_to_ids_when_the_tokenizer_changed(prepared, tmp_path)
     (data / "meta.json").write_text(json.dumps(m))
     cfg = load_config("configs/tiny.yaml", overrides(data, tmp_path, meta["vocab_size"]))
     assert decode(cfg, [5, 7]) == f"(tokenizer {tok} changed since zerodp prepare (sha256 differs): token ids)\n5 7"
+
+
+def test_an_unset_vocab_size_is_taken_from_meta_json(prepared, tmp_path, capsys):
+    """Unset (in neither the YAML nor an override): meta.json's, said on stderr. Written: kept, even when
+    it equals the default; below the tokenizer's vocabulary it stays an error that names both fixes."""
+    root, _, meta = prepared
+    vocab, where = meta["vocab_size"], root / "data" / "meta.json"
+    cfg = load_config("configs/tiny.yaml", overrides(root / "data", tmp_path, None))
+    assert cfg.model.vocab_size == vocab
+    assert capsys.readouterr().err == (f"zerodp: model.vocab_size={vocab} taken from {where} (the tokenizer's "
+                                       f"vocabulary; the config leaves model.vocab_size unset)\n")
+    assert load_config("configs/tiny.yaml", overrides(root / "data", tmp_path, vocab + 64)).model.vocab_size == vocab + 64
+    written = tmp_path / "mine.yaml"
+    written.write_text(f"model:\n  vocab_size: 256\ndata:\n  source: {root / 'data'}\n")
+    cfg = load_config(written, [f"train.out_dir={tmp_path}"])
+    assert cfg.model.vocab_size == 256 and capsys.readouterr().err == ""
+    with pytest.raises(UserError, match=rf"model.vocab_size=256 is smaller than the vocabulary of .*data "
+                                        rf"\(meta.json vocab_size={vocab}\); set model.vocab_size >= {vocab}, or "
+                                        rf"leave it unset to take meta.json's$"):
+        load_tokens(cfg)
+    assert load_config(None, ["data.source=builtin"]).model.vocab_size == 256  # byte level: the default
+
+
+def test_the_run_records_the_vocabulary_it_took_and_resumes(prepared, trained, tmp_path):
+    """config.yaml holds the number taken from meta.json; the same command (still without it) resumes."""
+    root, _, meta = prepared
+    out, r = trained
+    assert f"model.vocab_size={meta['vocab_size']} taken from {root / 'data' / 'meta.json'}" in r.stderr
+    assert yaml.safe_load((out / "config.yaml").read_text())["model"]["vocab_size"] == meta["vocab_size"]
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    again = cli("train", "configs/tiny.yaml", *overrides(root / "data", run, None, f"train.max_steps={STEPS + 1}"))
+    assert again.returncode == 0, again.stderr
+    assert f"resuming from {run / 'checkpoints'}" in again.stderr and f"at step {STEPS}" in again.stderr, again.stderr
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == STEPS + 1
+
+
+def test_the_run_says_what_the_prepared_folder_holds(prepared, trained):
+    """One line, as the built-in corpus gets: documents, tokens of each split, the tokenizer."""
+    root, tok, meta = prepared
+    _, r = trained
+    tr, va = meta["splits"]["train"], meta["splits"]["val"]
+    line = (f"zerodp: data.source={root / 'data'}: a zerodp prepare folder, {meta['documents']} documents, "
+            f"{meta['tokens']:,} tokens: train {tr['tokens']:,} ({tr['documents']} documents), val {va['tokens']:,} "
+            f"({va['documents']} documents); tokenizer {tok.resolve()} (vocabulary {meta['vocab_size']}, "
+            f"model.vocab_size={meta['vocab_size']}, uint16)")
+    assert r.stderr.splitlines().count(line) == 1, r.stderr
 
 
 def test_vocab_too_small_is_one_line_exit_2(prepared, tmp_path):
@@ -255,3 +308,29 @@ def test_generate_and_eval_refuse_bad_input(prepared, trained, tmp_path):
                        (("eval", out, "--batch-size", 0), "--batch-size")]:
         r = cli(*args)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, (args, r.stderr)
+
+
+def test_generate_and_eval_name_a_prepared_folder_and_what_to_pass(prepared, tmp_path, capsys):
+    """A prepare folder where the checkpoint goes is called a dataset, with what to pass instead; a
+    checkpoint without data (an export) is told the command that works, with its path as typed."""
+    from safetensors.torch import save_file
+    import torch
+
+    from zerodp.cli import main
+
+    data = prepared[0] / "data"
+    assert main(["generate", str(data)]) == 2
+    assert capsys.readouterr().err == (f"zerodp: error: {data} is a dataset written by zerodp prepare (train.bin, "
+                                       f"val.bin, meta.json), not a checkpoint; pass a checkpoint: the run folder of "
+                                       f"a training on it (its train.out_dir), a step folder or an export\n")
+    assert main(["eval", str(data)]) == 2
+    assert capsys.readouterr().err.endswith(f"not a checkpoint; give the checkpoint first and the data after it: "
+                                            f"zerodp eval RUN data.source={data} (RUN: a run folder, step folder or "
+                                            f"export)\n")
+    export = tmp_path / "hf-llama"
+    export.mkdir()
+    save_file({"lm_head.weight": torch.zeros(4, 4)}, export / "model.safetensors")
+    assert main(["eval", str(export)]) == 2
+    assert capsys.readouterr().err == (f"zerodp: error: {export} records no training data; name it: zerodp eval "
+                                       f"{export} data.source=DIR (a zerodp prepare folder)\n")
+

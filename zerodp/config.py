@@ -12,6 +12,7 @@ import difflib
 import math
 import os
 import re
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,9 @@ class ModelConfig:
     """Width of the MLP's inner layer; null: 4 x n_embd (gpt2), or 8/3 x n_embd rounded up to a multiple
     of 256 (llama)."""
     vocab_size: int = 256
-    """Vocabulary size. 256 covers the built-in byte-level tokenizer; GPT-2 uses 50257."""
+    """Vocabulary size. 256 covers the built-in byte-level tokenizer; GPT-2 uses 50257. Left unset (in
+    neither the YAML nor an override, no hf_config) with a `zerodp prepare` folder as data.source: its
+    meta.json vocab_size, the tokenizer's; a value written is kept, and one below that is an error."""
     block_size: int = 128
     """Context length, and the sequence length every training sample has."""
     bias: Optional[bool] = None
@@ -534,9 +537,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Co
     """Read a YAML config (or start from defaults when path is None), apply overrides, validate."""
     raw, where = _read(path, overrides)
     cfg = from_dict(raw, where)
+    given = {k for k, v in (raw.get("model") or {}).items() if v is not None}
     if cfg.model.hf_config:
-        given = {k for k, v in (raw.get("model") or {}).items() if v is not None}
         apply_hf_config(cfg.model, given, where)
+    elif "vocab_size" not in given:
+        take_prepared_vocab(cfg)
     return resolve_model(cfg).validate()
 
 
@@ -582,6 +587,25 @@ def user_settings(path: str | os.PathLike | None, overrides: list[str] = ()) -> 
     typed = from_dict(raw, where)
     return {f"{section}.{key}": getattr(getattr(typed, section), key)
             for section, body in raw.items() if isinstance(body, dict) for key in body}
+
+
+def take_prepared_vocab(cfg: Config) -> Config:
+    """model.vocab_size from meta.json when data.source is a `zerodp prepare` folder (the caller knows the
+    config leaves the key unset), said on stderr by rank 0 (every rank loads the config). The resolved
+    config, config.yaml and a checkpoint's meta.json then record the number, so a resume of the same
+    command finds the same model. Returns cfg, changed in place."""
+    if cfg.data.source == "builtin":
+        return cfg
+    from zerodp.prepare import prepared_meta  # json only; the module imports numpy, never torch
+
+    vocab = (prepared_meta(cfg.data.source) or {}).get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        return cfg  # not a prepare folder, or a damaged meta.json that loading the data reports
+    cfg.model.vocab_size = vocab
+    if os.environ.get("RANK", "0") == "0":
+        print(f"zerodp: model.vocab_size={vocab} taken from {Path(cfg.data.source) / 'meta.json'} (the tokenizer's "
+              f"vocabulary; the config leaves model.vocab_size unset)", file=sys.stderr, flush=True)
+    return cfg
 
 
 def apply_hf_config(m: ModelConfig, given: set[str], where: str = "the config") -> ModelConfig:

@@ -12,7 +12,10 @@ uint32 token ids). What a text source gave (files, bytes, tokens) is said once o
 
 A folder written by `zerodp prepare` (it holds meta.json with format "zerodp-prepare") gives its own
 splits: train.bin for training and val.bin for validation (data.val_fraction and data.token_dtype are
-not used; meta.json says the dtype). model.vocab_size must be at least meta.json's vocab_size. A val.bin
+not used; meta.json says the dtype); training says what it holds (documents, tokens of each split,
+tokenizer: describe_prepared) once both splits passed their checks. A config that leaves
+model.vocab_size unset gets meta.json's vocab_size (zerodp.config.take_prepared_vocab); one that sets
+it must set at least that. A val.bin
 too short for one block is an error while train.eval_every > 0 (re-prepare with a larger
 --val-fraction, or set train.eval_every=0).
 """
@@ -20,7 +23,6 @@ too short for one block is an error while train.eval_every > 0 (re-prepare with 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import queue
 import socket
@@ -37,6 +39,7 @@ import torch
 
 from zerodp.config import Config
 from zerodp.errors import UserError
+from zerodp.prepare import plural, prepared_meta  # train, sample and use take prepared_meta from here
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".tex")
 
@@ -121,21 +124,6 @@ def _say_what_was_read(cfg: Config, plan: list[tuple[Path, int]], n_files: int, 
           f"byte-level tokens" + (f" ({'; '.join(notes)})" if notes else ""), file=sys.stderr, flush=True)
 
 
-PREPARED_FORMAT = "zerodp-prepare"  # zerodp.prepare.FORMAT (not imported: that module loads tokenizers)
-
-
-def prepared_meta(source: str) -> dict | None:
-    """meta.json of a `zerodp prepare` folder, or None when `source` is not one."""
-    meta_file = Path(source) / "meta.json"
-    if source == "builtin" or not meta_file.is_file():
-        return None
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return meta if isinstance(meta, dict) and meta.get("format") == PREPARED_FORMAT else None
-
-
 @dataclass
 class PreparedTokens:
     """The two splits of a `zerodp prepare` folder, as read-only memmaps (either may be empty)."""
@@ -165,7 +153,8 @@ def _load_prepared(cfg: Config, folder: Path, meta: dict) -> PreparedTokens:
     vocab = int(meta.get("vocab_size") or 0)
     if cfg.model.vocab_size < vocab:
         raise UserError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
-                        f"{folder} (meta.json vocab_size={vocab}); set model.vocab_size >= {vocab}")
+                        f"{folder} (meta.json vocab_size={vocab}); set model.vocab_size >= {vocab}, or leave it "
+                        f"unset to take meta.json's")
     dtype = meta.get("dtype")
     if dtype not in ("uint16", "uint32"):
         raise UserError(f"{folder / 'meta.json'} gives dtype={dtype!r}, not uint16 or uint32; "
@@ -176,6 +165,26 @@ def _load_prepared(cfg: Config, folder: Path, meta: dict) -> PreparedTokens:
     for split in (data.train, data.val):
         _check_ids(split, cfg, folder)
     return data
+
+
+def describe_prepared(cfg: Config, data: np.ndarray | PreparedTokens) -> str | None:
+    """For a prepared folder the line training says once both splits passed their checks (as a text
+    source gets one from load_tokens): documents, tokens of each split, the tokenizer; else None."""
+    if not isinstance(data, PreparedTokens):
+        return None
+    meta, splits = data.meta, data.meta.get("splits") or {}
+
+    def documents(n) -> str:
+        return plural(int(n or 0), "document")
+
+    cut = meta.get("split_by_tokens") or 0
+    between = f" ({cut:,} split by tokens between train and val)" if cut else ""
+    train, val = (documents((splits.get(s) or {}).get("documents")) for s in ("train", "val"))
+    tokenizer = (meta.get("tokenizer") or {}).get("path")
+    return (f"data.source={cfg.data.source}: a zerodp prepare folder, {documents(meta.get('documents'))}{between}, "
+            f"{len(data):,} tokens: train {len(data.train):,} ({train}), val {len(data.val):,} ({val}); tokenizer "
+            f"{tokenizer} (vocabulary {meta.get('vocab_size')}, model.vocab_size={cfg.model.vocab_size}, "
+            f"{data.train.dtype})")
 
 
 def _check_ids(tokens: np.ndarray, cfg: Config, path: Path) -> None:

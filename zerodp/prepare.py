@@ -10,7 +10,10 @@ What it promises:
   (the tokenizer's end-of-text token unless `eot` names another, or none), in input order: inputs as
   given, a folder's files sorted by path, a JSONL file's lines, a Parquet file's rows.
 - Document i (counted over all inputs) goes to val iff `val_mask(seed, i)`: a hash of (seed, i) below
-  val_fraction. The split is by whole documents and the same however the work is batched.
+  val_fraction. A document longer than the val split needs (more UTF-8 bytes than val_fraction of the
+  input files' bytes: one text file, say) is split by tokens instead: its last val_fraction of tokens go
+  to val, the rest to train, each part followed by the separator. Both rules are the same however the
+  work is batched.
 - Bounded memory: a reader thread parses about `batch_bytes` of text at a time, an encoder thread
   encodes the batch before with `encode_batch_fast` (Rust, every core, without the GIL) and the
   calling thread appends the one before that to the two files. At most QUEUE_DEPTH + 4 batches exist
@@ -71,7 +74,8 @@ class PrepareOptions:
     field: str = "text"
     """The JSONL field / Parquet column holding each document's text."""
     val_fraction: float = 0.01
-    """Expected share of documents in val.bin, in [0, 1)."""
+    """Share of the input for val.bin, in [0, 1): of the documents (chosen by hash), and of the tokens of
+    each document longer than that share of the input bytes."""
     seed: int = 0
     """Chooses which documents go to val.bin."""
     eot: str | None = None
@@ -311,23 +315,34 @@ def _parquet_documents(src: Source, column: str) -> Iterator[tuple[str, int]]:
 class _Batch:
     texts: list[str]
     read: int  # bytes of input files behind these documents
+    long: list[int]  # the documents (indices into texts) split by tokens
 
 
-def _batches(sources: list[Source], column: str, batch_bytes: int) -> Iterator[_Batch]:
-    texts, chars, read = [], 0, 0
+def _batches(sources: list[Source], column: str, batch_bytes: int, long_bytes: float) -> Iterator[_Batch]:
+    texts, chars, read, long = [], 0, 0, []
     for src in sources:
         for text, n in _documents(src, column):
+            if _longer(text, long_bytes):
+                long.append(len(texts))
             texts.append(text)
             chars += len(text)
             read += n
             src.documents += 1
             if chars >= batch_bytes:
-                yield _Batch(texts, read)
-                texts, chars, read = [], 0, 0
+                yield _Batch(texts, read, long)
+                texts, chars, read, long = [], 0, 0, []
         if src.given and src.documents == 0:
             raise UserError(f"{src.path} holds no documents; give files that hold documents")
     if texts:
-        yield _Batch(texts, read)
+        yield _Batch(texts, read, long)
+
+
+def _longer(text: str, limit: float) -> bool:
+    """Whether `text` is more than `limit` bytes of UTF-8; encoded only when its length cannot tell (a
+    character is 1 to 4 bytes)."""
+    if len(text) > limit or 4 * len(text) <= limit:
+        return len(text) > limit
+    return len(text.encode("utf-8", errors="surrogatepass")) > limit
 
 
 def _ahead(items: Iterator, depth: int) -> Iterator:
@@ -379,6 +394,41 @@ def val_mask(seed: int, first: int, n: int, val_fraction: float) -> np.ndarray:
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < val_fraction
 
 
+def prepared_meta(source: str) -> dict | None:
+    """meta.json of a `zerodp prepare` folder, or None when `source` is not one. Reads one small file:
+    training, the config (a vocabulary left unset) and `zerodp generate`/`eval` ask it what a path is."""
+    meta_file = Path(source) / META
+    if source == "builtin" or not meta_file.is_file():
+        return None
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
+
+
+def _split_long(ids: list[list[int]], in_val: np.ndarray, long: list[int],
+                val_fraction: float) -> tuple[list[list[int]], np.ndarray, int]:
+    """The documents `long` names split by tokens: each becomes its first tokens (train) and its last
+    round(val_fraction * tokens) (val); one too short for both parts goes whole where that rounding puts
+    it. Returns (ids, in_val) of the parts, the other documents as they were, and the documents split."""
+    if not long:
+        return ids, in_val, 0
+    parts, where, split, long = [], [], 0, set(long)
+    for i, (doc, v) in enumerate(zip(ids, in_val.tolist())):
+        if i in long:
+            n_val = round(val_fraction * len(doc))
+            if 0 < n_val < len(doc):
+                parts += [doc[:-n_val], doc[-n_val:]]
+                where += [False, True]
+                split += 1
+                continue
+            v = n_val > 0
+        parts.append(doc)
+        where.append(v)
+    return parts, np.array(where, dtype=bool), split
+
+
 def _not_replaceable(folder: Path) -> str | None:
     try:
         if json.loads((folder / META).read_text()).get("format") == FORMAT:
@@ -406,7 +456,7 @@ def prepare(opts: PrepareOptions) -> dict:
     if not 0.0 <= opts.val_fraction < 1.0:
         raise UserError(f"--val-fraction {opts.val_fraction} must be in [0, 1); 0 writes an empty val.bin")
     if opts.batch_bytes < 1:
-        raise UserError(f"--batch-mb must be positive, got {opts.batch_bytes / 1e6:g}")
+        raise UserError(f"--batch-size must be positive, got {opts.batch_bytes} bytes")
     tok = load_tokenizer(opts.tokenizer, opts.eot)
     sources = find_sources(opts.inputs, opts.field)
     given = [Path(i) for i in opts.inputs if i != "builtin"]  # folders too: DIR must not lie inside one
@@ -414,10 +464,10 @@ def prepare(opts: PrepareOptions) -> dict:
                  _not_replaceable)
     t0 = time.time()
     with staged(opts.out) as tmp:
-        counts = _encode_all(tok, sources, opts, tmp)
+        counts, documents, split = _encode_all(tok, sources, opts, tmp)
         if counts["train"]["documents"] == 0:
-            raise UserError(f"all {counts['val']['documents']} documents fell in the val split (--val-fraction "
-                            f"{opts.val_fraction}); lower it or give more documents")
+            raise UserError(f"all of the input ({plural(documents, 'document')}) fell in the val split "
+                            f"(--val-fraction {opts.val_fraction}); lower it or give more documents")
         meta = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "zerodp_version": __version__,
             "tokenizer": {"path": str(tok.path.resolve()), "sha256": tok.sha256},
@@ -425,7 +475,7 @@ def prepare(opts: PrepareOptions) -> dict:
             "eot_id": tok.eot_id, "eot_token": tok.eot_token, "special_tokens": opts.special_tokens,
             "field": opts.field, "val_fraction": opts.val_fraction, "seed": opts.seed,
             "splits": {s: {"file": f"{s}.bin", **counts[s]} for s in SPLITS},
-            "documents": sum(counts[s]["documents"] for s in SPLITS),
+            "documents": documents, "split_by_tokens": split,
             "tokens": sum(counts[s]["tokens"] for s in SPLITS),
             "sources": [{"path": str(s.path.resolve()), "kind": s.kind, "bytes": s.size, "documents": s.documents}
                         for s in sources],
@@ -437,12 +487,17 @@ def prepare(opts: PrepareOptions) -> dict:
     return meta
 
 
-def _encode_all(tok: Tok, sources: list[Source], opts: PrepareOptions, out: Path) -> dict:
+def _encode_all(tok: Tok, sources: list[Source], opts: PrepareOptions, out: Path) -> tuple[dict, int, int]:
+    """Encode and write both files; return per split {documents, tokens} (a document split by tokens counts
+    in both), the documents read and how many of them were split by tokens."""
     from tqdm import tqdm
 
     encode = getattr(tok.tokenizer, "encode_batch_fast", tok.tokenizer.encode_batch)  # the same ids, no offsets
     counts = {s: {"documents": 0, "tokens": 0} for s in SPLITS}
-    first = 0  # index of the batch's first document over all inputs
+    first, split = 0, 0  # index of the batch's first document over all inputs; documents split by tokens
+    # A document with more bytes than the val split's share of the input would alone overshoot it in val
+    # or leave val short in train: split by tokens. Bytes on disk: compressed input makes more such.
+    long_bytes = opts.val_fraction * sum(s.size for s in sources) if opts.val_fraction > 0 else float("inf")
     # Three stages, each in its own thread: parse (reader), encode (Rust, every core, the GIL released),
     # and here ids -> numpy -> files, which holds the GIL and so overlaps the next batch's encoding.
     # The library's Encoding objects take ~200 bytes a token (~50x the text): at most two batches of
@@ -454,7 +509,8 @@ def _encode_all(tok: Tok, sources: list[Source], opts: PrepareOptions, out: Path
             alive.acquire()
             yield b, encode(b.texts, add_special_tokens=opts.special_tokens)
 
-    encoded = _ahead(encode_stage(_ahead(_batches(sources, opts.field, opts.batch_bytes), QUEUE_DEPTH)), 1)
+    batches = _batches(sources, opts.field, opts.batch_bytes, long_bytes)
+    encoded = _ahead(encode_stage(_ahead(batches, QUEUE_DEPTH)), 1)
     bar = tqdm(total=sum(s.size for s in sources), unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
                disable=None if opts.progress else True, leave=False, dynamic_ncols=True)
     with open(out / "train.bin", "wb") as train, open(out / "val.bin", "wb") as val, bar:
@@ -463,8 +519,11 @@ def _encode_all(tok: Tok, sources: list[Source], opts: PrepareOptions, out: Path
                 ids = [e.ids for e in encodings]
                 del encodings
                 alive.release()
-                in_val, lengths = _write(tok, ids, val_mask(opts.seed, first, len(ids), opts.val_fraction), train, val)
-                first += len(ids)
+                n = len(ids)
+                ids, in_val, cut = _split_long(ids, val_mask(opts.seed, first, n, opts.val_fraction), batch.long,
+                                               opts.val_fraction)
+                in_val, lengths = _write(tok, ids, in_val, train, val)
+                first, split = first + n, split + cut
                 for name, mask in (("train", ~in_val), ("val", in_val)):
                     counts[name]["documents"] += int(mask.sum())
                     counts[name]["tokens"] += int(lengths[mask].sum())
@@ -476,7 +535,19 @@ def _encode_all(tok: Tok, sources: list[Source], opts: PrepareOptions, out: Path
                 alive.release()
     if first == 0:
         raise UserError(f"the inputs hold no documents ({', '.join(opts.inputs)}); give files with text")
-    return counts
+    return counts, first, split
+
+
+def plural(n: int, noun: str) -> str:
+    """'1 document', '2,000 documents'."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def size_text(n: float) -> str:
+    """Bytes in decimal units, as input sizes and rates are said: '812 bytes', '4.7 kB', '1,234.5 MB'."""
+    if n < 1000:
+        return plural(round(n), "byte")
+    return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:,.1f} MB"
 
 
 def _write(tok: Tok, ids: list[list[int]], in_val: np.ndarray, train, val) -> tuple[np.ndarray, np.ndarray]:

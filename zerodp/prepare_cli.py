@@ -10,14 +10,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zerodp.prepare import BATCH_BYTES, PrepareOptions
+from zerodp.prepare import BATCH_BYTES, PrepareOptions, plural, size_text
+
+BATCH_SIZE = f"{BATCH_BYTES >> 10}KiB"  # --batch-size's default, as written on the command line
 
 EXAMPLES = """examples:
   zerodp prepare builtin --tokenizer tok.json --out data/stdlib
   zerodp prepare docs/ notes.txt --tokenizer path/to/hf_model --out data/mine --val-fraction 0.05
   zerodp prepare shard-*.jsonl.gz --field content --tokenizer gpt2/tokenizer.json --out data/web
   zerodp prepare train-*.parquet --tokenizer path/to/hf_model --out data/pq --eot '</s>'
-then train on it:  data.source=data/mine/train.bin (see docs/data.md)
+then train on the folder:  zerodp train configs/tiny.yaml data.source=data/mine (see docs/data.md)
 """
 
 
@@ -25,7 +27,8 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "prepare", help="tokenize text, JSONL or Parquet into train.bin/val.bin with a Hugging Face tokenizer",
         description="Encode documents with a tokenizers tokenizer.json (every core), each followed by the "
-                    "end-of-text token, split by whole documents into DIR/train.bin and DIR/val.bin (uint16, or "
+                    "end-of-text token, split by whole documents (by tokens for one longer than the val "
+                    "split's share) into DIR/train.bin and DIR/val.bin (uint16, or "
                     "uint32 for a vocabulary over 65536) and describe them in DIR/meta.json. Streams: memory "
                     "does not grow with the input. See docs/data.md.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,15 +39,16 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (new or empty; see --overwrite)")
     p.add_argument("--field", default="text", help="JSONL field / Parquet column with the text (default: text)")
     p.add_argument("--val-fraction", type=float, default=PrepareOptions.val_fraction,
-                   help=f"share of documents for val.bin, chosen by a hash of (seed, document number) "
-                        f"(default {PrepareOptions.val_fraction})")
+                   help=f"share of the input for val.bin: documents chosen by a hash of (seed, document number); "
+                        f"a document longer than that share of the input gives val.bin the same share of its "
+                        f"tokens, its last ones (default {PrepareOptions.val_fraction})")
     p.add_argument("--seed", type=int, default=0, help="which documents go to val.bin (default 0)")
     p.add_argument("--eot", default=None, metavar="TOKEN",
                    help="separator after each document (default: the tokenizer's end-of-text token); 'none': none")
     p.add_argument("--no-special-tokens", action="store_true",
                    help="do not let the tokenizer's post-processor add its special tokens (a BOS, say)")
-    p.add_argument("--batch-mb", type=float, default=BATCH_BYTES / 1e6,
-                   help=f"MB of text per encode batch (default {BATCH_BYTES / 1e6:g}); changes memory, not output")
+    p.add_argument("--batch-size", default=BATCH_SIZE, metavar="SIZE",
+                   help=f"text per encode batch, e.g. 1MiB or 4MB (default {BATCH_SIZE}); changes memory, not output")
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it holds an earlier zerodp prepare")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_prepare)
@@ -52,20 +56,29 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_prepare(args) -> int:
+    from zerodp.planner.units import parse_bytes  # the sizes --max-memory and --hbm take, no torch
     from zerodp.prepare import prepare
 
     opts = PrepareOptions(inputs=list(args.inputs), tokenizer=args.tokenizer, out=args.out, field=args.field,
                           val_fraction=args.val_fraction, seed=args.seed, eot=args.eot,
                           special_tokens=not args.no_special_tokens, overwrite=args.overwrite,
-                          progress=not args.no_progress, batch_bytes=int(args.batch_mb * 1e6))
+                          progress=not args.no_progress,
+                          batch_bytes=parse_bytes(args.batch_size, "--batch-size", example=BATCH_SIZE))
     meta = prepare(opts)
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
-    mb = meta["bytes"] / 1e6
-    print(f"prepared {meta['documents']:,} documents ({mb:,.1f} MB in {len(meta['sources'])} files) into {args.out}: "
-          f"train {tr['documents']:,} docs / {tr['tokens']:,} tokens, val {va['documents']:,} docs / "
-          f"{va['tokens']:,} tokens; {meta['dtype']}, vocab {meta['vocab_size']:,}, separator "
-          f"{meta['eot_token']!r} ({meta['seconds']:.1f}s, {mb / max(meta['seconds'], 1e-9):,.1f} MB/s)")
+    seconds = meta["seconds"]
+    print(f"prepared {plural(meta['documents'], 'document')} ({size_text(meta['bytes'])} in "
+          f"{plural(len(meta['sources']), 'file')}) into {args.out}: train {plural(tr['documents'], 'document')} "
+          f"/ {plural(tr['tokens'], 'token')}, val {plural(va['documents'], 'document')} / "
+          f"{plural(va['tokens'], 'token')}; "
+          f"{meta['dtype']}, vocabulary {meta['vocab_size']:,}, separator {meta['eot_token']!r} ({seconds:.1f} s, "
+          f"{size_text(meta['bytes'] / max(seconds, 1e-9))}/s)")
+    split, share = meta["split_by_tokens"], f"{meta['val_fraction'] * 100:g}%"
+    if split:
+        is_, whose = ("is", "its") if split == 1 else ("are", "each one's")
+        print(f"split by tokens: {plural(split, 'document')} {is_} longer than --val-fraction {meta['val_fraction']} "
+              f"of the input, so the last {share} of {whose} tokens went to val.bin, the rest to train.bin")
     if va["documents"] == 0 and meta["val_fraction"] > 0:
         print(f"zerodp: note: no document fell in val.bin (--val-fraction {meta['val_fraction']}, "
-              f"{meta['documents']} documents); raise it for a validation split", file=sys.stderr)
+              f"{plural(meta['documents'], 'document')}); raise it for a validation split", file=sys.stderr)
     return 0

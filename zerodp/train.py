@@ -16,7 +16,7 @@ import torch.distributed as dist
 from zerodp import checkpoint, determinism, loggers
 from zerodp.comm import CommMeter, PlanCheck
 from zerodp.config import Config, dump_yaml, lr_at
-from zerodp.data import TokenBatches, load_tokens, prefetch, prepared_meta
+from zerodp.data import TokenBatches, describe_prepared, load_tokens, prefetch, prepared_meta
 from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
 from zerodp.errors import PeerFailure, UserError
 from zerodp.faults import (DeviceProbe, Heartbeat, PeerWatch, Preemption, Stopwatch, StragglerMonitor,
@@ -169,9 +169,11 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
 
     def inputs():  # before the model: a bad data source fails fast
         tokens = load_tokens(cfg)
-        return TokenBatches(tokens, cfg, "train"), TokenBatches(tokens, cfg, "val")
+        return TokenBatches(tokens, cfg, "train"), TokenBatches(tokens, cfg, "val"), describe_prepared(cfg, tokens)
 
-    train_data, val_data = agree(env, inputs)
+    train_data, val_data, prepared_line = agree(env, inputs)
+    if prepared_line:  # after both splits' checks: a bad input stays a one-line error
+        log(env, prepared_line)
     if env.rank == 0:
         if start_plan.set_aside:
             _set_aside_earlier_run(env, out_dir, start_plan.set_aside)

@@ -187,6 +187,20 @@ def _run_config(source) -> dict:
     return dict(source.meta.get("config") or {})
 
 
+def _not_a_dataset(path: str, command: str) -> None:
+    """Refuse a `zerodp prepare` folder given where the checkpoint goes (it holds a meta.json too, so the
+    checkpoint reader would call it an incomplete checkpoint), saying what to pass instead."""
+    from zerodp.prepare import prepared_meta  # no torch: this check comes before its import
+
+    if prepared_meta(path) is None:
+        return
+    instead = (f"give the checkpoint first and the data after it: zerodp eval RUN data.source={path} (RUN: a run "
+               f"folder, step folder or export)" if command == "eval" else
+               "pass a checkpoint: the run folder of a training on it (its train.out_dir), a step folder or an export")
+    raise UserError(f"{path} is a dataset written by zerodp prepare (train.bin, val.bin, meta.json), not a "
+                    f"checkpoint; {instead}")
+
+
 # -- generate ----------------------------------------------------------------------------------------
 
 def run_generate(args) -> int:
@@ -194,6 +208,7 @@ def run_generate(args) -> int:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: give at least 1")
     if args.top_k < 0 or args.temperature < 0:
         raise UserError("--top-k and --temperature cannot be negative (0 means: all tokens / the most likely one)")
+    _not_a_dataset(args.path, "generate")
     import torch  # after the checks of the arguments alone: those fail at once, not after torch's import
 
     from zerodp.api import model_from_source
@@ -233,9 +248,10 @@ def run_generate(args) -> int:
 
 # -- eval --------------------------------------------------------------------------------------------
 
-def eval_config(source, overrides: list[str]):
+def eval_config(source, overrides: list[str], given: str | None = None):
     """The run's Config with the `data.*` overrides applied; a checkpoint that records no training data
-    (a Hugging Face folder, an export) must be given its data."""
+    (a Hugging Face folder, an export) must be given its data: the message repeats the path as `given`
+    (what the user typed; `source.path` may be a file inside it) with data.source=DIR after it."""
     from zerodp.api import model_config_of
     from zerodp.config import from_dict, parse_override, resolve_model
 
@@ -247,8 +263,9 @@ def eval_config(source, overrides: list[str]):
             raise UserError(f"zerodp eval takes data.* settings only (got {item}); the model is the checkpoint's")
         data[key] = value
     if "source" not in data:  # an export records the model only
-        raise UserError(f"{source.path} records no training data; name it: zerodp eval {source.path} "
-                        f"data.source=DIR (a zerodp prepare folder)")
+        given = source.path if given is None else given
+        raise UserError(f"{given} records no training data; name it: zerodp eval {given} data.source=DIR "
+                        f"(a zerodp prepare folder)")
     raw["model"] = dataclasses.asdict(model_config_of(source))
     return resolve_model(from_dict(raw, f"{source.path}'s config"))
 
@@ -256,6 +273,7 @@ def eval_config(source, overrides: list[str]):
 def run_eval(args) -> int:
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: give at least 1")
+    _not_a_dataset(args.path, "eval")
     import numpy as np
     import torch  # after the check of the arguments alone: that fails at once, not after torch's import
     from tqdm import tqdm
@@ -266,7 +284,7 @@ def run_eval(args) -> int:
 
     device = _device(args.device)
     with open_checkpoint(args.path) as source:
-        cfg = eval_config(source, args.overrides)
+        cfg = eval_config(source, args.overrides, args.path)
         recorded = (source.meta.get("tokenizer") or {}).get("sha256")
         prepared = prepared_meta(cfg.data.source)
         used = ((prepared or {}).get("tokenizer") or {}).get("sha256")

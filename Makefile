@@ -8,7 +8,7 @@
 
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# Only chooses which torch build to install: the GPUs a launch uses are counted by zerodp.devices.
+# Only chooses which torch build to install: the GPUs a launch uses are counted by zerodp.distributed.devices.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 NPROC ?=
 ifeq ($(HAS_GPU),)
@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]' ninja
 	touch $@
 
-# launchers/local.sh counts the GPUs (python -m zerodp.devices count, CUDA_VISIBLE_DEVICES and MIG
+# launchers/local.sh counts the GPUs (python -m zerodp.distributed.devices count, CUDA_VISIBLE_DEVICES and MIG
 # included) and starts that many processes, here at most 2, or 2 CPU processes without a GPU.
 quickstart: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_GPUS=2 NPROC=$(NPROC) launchers/local.sh configs/tiny.yaml

@@ -153,7 +153,7 @@ def launch_writer(kind: str, out: str, args, nproc: int = 2, timeout: float = 60
 
 CHILD = """
 import os, sys, torch, safetensors, tqdm, torch.distributed.checkpoint
-from zerodp.cli import main
+from zerodp.cli.commands import main
 def status(*keys):
     got = {l.split(None, 1)[0]: int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(keys)}
     return [got[k + ":"] for k in keys]

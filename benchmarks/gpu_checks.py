@@ -95,17 +95,17 @@ def within(check: str, figures: list[tuple[str, float, float]]) -> Result:
     return Result(check, all(m <= lim for _, m, lim in figures), "; ".join(parts))
 
 
-# ---- the worker: zerodp.train.train in this process, observed -----------------------------------------
+# ---- the worker: zerodp.trainer.loop.train in this process, observed -----------------------------------------
 
 def worker(spec_path: str, out_path: str) -> None:
-    """Run each of spec's runs with zerodp.train.train in one process group; rank 0 writes per run the
+    """Run each of spec's runs with zerodp.trainer.loop.train in one process group; rank 0 writes per run the
     losses, (weights), and the CUDA allocator's peaks: after strategy.setup, before the end-of-run
     sample (training and the final save), and over the sample."""
     import torch
 
-    import zerodp.train as zt
+    import zerodp.trainer.loop as zt
     from zerodp.config import load_config
-    from zerodp.dist import shutdown
+    from zerodp.distributed.process_group import shutdown
 
     spec = json.loads(Path(spec_path).read_text())
     peaks: dict = {}
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(*args.worker)
         return 0
-    from zerodp.devices import count_gpus
+    from zerodp.distributed.devices import count_gpus
 
     gpus = count_gpus(args.gpus)
     if gpus == 0:

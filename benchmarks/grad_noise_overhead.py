@@ -75,7 +75,7 @@ def direct(args) -> None:
     from zerodp.config import load_config
     from zerodp.models import build_model
     from zerodp.strategies import RunContext, make_strategy
-    from zerodp.train import train_step
+    from zerodp.trainer.loop import train_step
 
     cpu = torch.device("cpu")
     torch.manual_seed(0)

@@ -162,7 +162,7 @@ def plain_worker(args) -> None:
     import torch.distributed as dist
 
     from zerodp.config import load_config, lr_at
-    from zerodp.data import load_tokens
+    from zerodp.data.batches import load_tokens
     from zerodp.models import build_model
     from zerodp.optim import adamw_kwargs, param_groups
 

@@ -8,7 +8,7 @@ Then times, each as a whole command from outside (wall time, and peak RSS from o
 
   prepare       python -m zerodp prepare corpus.jsonl --tokenizer tok.json --out OUT --no-progress
   encode_batch  a plain script: read the same JSONL line by line, json.loads, and call the library's
-                Tokenizer.encode_batch on batches of prepare's size (zerodp.prepare.BATCH_BYTES); no output
+                Tokenizer.encode_batch on batches of prepare's size (zerodp.data.prepare.BATCH_BYTES); no output
   fast          the same with encode_batch_fast (the same ids without offsets, what prepare calls)
 
 Runs alternate (prepare, encode_batch, fast) --repeats times and the best wall time of each counts: on
@@ -132,7 +132,7 @@ def main() -> None:
         script = work / "baseline.py"
         script.write_text(BASELINE)
         py = sys.executable
-        from zerodp.prepare import BATCH_BYTES
+        from zerodp.data.prepare import BATCH_BYTES
 
         cmds = {
             "prepare": [py, "-m", "zerodp", "prepare", str(corpus), "--tokenizer", str(tok), "--out", str(out),

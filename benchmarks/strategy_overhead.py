@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse_args():
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=None,
-                   help="processes: default one per GPU, at most 2 (python -m zerodp.devices count), else 2 on the CPU")
+                   help="processes: default one per GPU, at most 2 (python -m zerodp.distributed.devices count), else 2 on the CPU")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when a GPU is usable (one per process), else the CPU")
     p.add_argument("--strategies", default="ddp,zero1,zero2,zero3,fsdp")
@@ -61,7 +61,7 @@ def placement(device: str, nproc: int | None, gpus: int) -> tuple[str, int]:
 
 def launch(args, parser) -> None:
     """Re-run this script on --nproc processes (as torchrun would), on --device, and wait."""
-    from zerodp.devices import count_gpus
+    from zerodp.distributed.devices import count_gpus
 
     if args.nproc is not None and args.nproc < 1:
         parser.error(f"--nproc must be 1 or more, got {args.nproc}")
@@ -168,11 +168,11 @@ def worker(args) -> None:
     import torch
 
     from zerodp.config import load_config
-    from zerodp.data import TokenBatches, load_tokens
-    from zerodp.dist import init_distributed
+    from zerodp.data.batches import TokenBatches, load_tokens
+    from zerodp.distributed.process_group import init_distributed
     from zerodp.models import GPT
     from zerodp.strategies import RunContext, make_strategy
-    from zerodp.train import train_step
+    from zerodp.trainer.loop import train_step
 
     env = init_distributed(args.device)  # the launcher resolved auto: cpu or cuda
     world = env.world_size

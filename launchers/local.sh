@@ -3,7 +3,7 @@
 #   launchers/local.sh configs/tiny.yaml [section.key=value ...]
 #   MAX_GPUS=2 launchers/local.sh ...     at most 2 GPUs (make quickstart)
 #   NPROC=1 launchers/local.sh ...        exactly 1 process
-# The GPUs are counted by `python -m zerodp.devices count`, the way CUDA counts them: CUDA_VISIBLE_DEVICES
+# The GPUs are counted by `python -m zerodp.distributed.devices count`, the way CUDA counts them: CUDA_VISIBLE_DEVICES
 # (indices or GPU-/MIG- UUIDs) applied, a MIG instance one device. torchrun, not the deepspeed launcher,
 # starts the processes: `deepspeed --num_gpus N` takes GPUs 0..N-1 whatever CUDA_VISIBLE_DEVICES says, and
 # its --include accepts indices only. torchrun leaves CUDA_VISIBLE_DEVICES alone; rank r uses cuda:r of it.
@@ -14,9 +14,9 @@ if [[ -n ${NPROC:-} && ! $NPROC =~ ^[1-9][0-9]*$ ]]; then
   exit 2
 fi
 if [[ -n ${NPROC:-} ]]; then
-  gpus=$(python -m zerodp.devices count)
+  gpus=$(python -m zerodp.distributed.devices count)
 else
-  gpus=$(python -m zerodp.devices count ${MAX_GPUS:+--max "$MAX_GPUS"})
+  gpus=$(python -m zerodp.distributed.devices count ${MAX_GPUS:+--max "$MAX_GPUS"})
 fi
 if (( gpus > 0 )); then
   nproc=${NPROC:-$gpus}

@@ -66,11 +66,11 @@ def gpu_env(environ: MutableMapping[str, str]) -> dict:
 
 @functools.cache
 def machine_gpus() -> int:
-    """GPUs the GPU tests may use: zerodp.devices' count in a process that sees the machine's GPUs
+    """GPUs the GPU tests may use: zerodp.distributed.devices' count in a process that sees the machine's GPUs
     (this one must not touch CUDA). 0 at once with a CPU build of torch."""
     if torch.version.cuda is None and torch.version.hip is None:
         return 0
-    r = subprocess.run([sys.executable, "-m", "zerodp.devices", "count"], env=gpu_env(os.environ), cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "zerodp.distributed.devices", "count"], env=gpu_env(os.environ), cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     return int(r.stdout) if r.returncode == 0 else 0
 
@@ -144,7 +144,7 @@ def _run_once(target: str, world_size: int, kwargs: dict | None, timeout: float,
 def _worker_main() -> None:
     import importlib
 
-    from zerodp.dist import init_distributed, shutdown
+    from zerodp.distributed.process_group import init_distributed, shutdown
 
     target, kwargs, out, device = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     torch.set_num_threads(1)

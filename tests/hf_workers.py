@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from zerodp import checkpoint
+from zerodp.checkpoint import store as checkpoint
 from zerodp.config import load_config
-from zerodp.dist import init_distributed
+from zerodp.distributed.process_group import init_distributed
 from zerodp.models import build_model
-from zerodp.start import plan_start
+from zerodp.trainer.start import plan_start
 from zerodp.strategies import RunContext, make_strategy
-from zerodp.train import train
+from zerodp.trainer.loop import train
 
 
 def hf_jobs(jobs: list[dict]) -> list[dict]:
@@ -29,7 +29,7 @@ def hf_jobs(jobs: list[dict]) -> list[dict]:
 
 
 def logits_after_init(cfg, idx: torch.Tensor) -> torch.Tensor:
-    """What zerodp.train does up to the first step (the start plan's checks included), then a forward."""
+    """What zerodp.trainer.loop does up to the first step (the start plan's checks included), then a forward."""
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
     grad_accum = cfg.check_batch_split(env.world_size)
     plan = plan_start(cfg, fresh=True, set_aside_damaged=False, rank=env.rank)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from zerodp.config import Config, lr_at
-from zerodp.data import TokenBatches, load_tokens
+from zerodp.data.batches import TokenBatches, load_tokens
 from zerodp.models import build_model
 from zerodp.optim import param_groups
 

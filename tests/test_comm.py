@@ -1,4 +1,4 @@
-"""zerodp.comm's counter on a real (one-rank, gloo) process group in this process: sizes per kind,
+"""zerodp.telemetry.comm's counter on a real (one-rank, gloo) process group in this process: sizes per kind,
 one count for a collective that forwards to another, nothing outside a step, the functions given back,
 DDP's buckets seen through the comm hook. Several ranks, every engine and the planner's prediction:
 tests/test_equivalence.py."""
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from zerodp.comm import CommMeter, StepComm
+from zerodp.telemetry.comm import CommMeter, StepComm
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def test_ddp_buckets_counted_through_the_comm_hook(group, tiny):
     from zerodp.config import load_config
     from zerodp.models import build_model, param_count
     from zerodp.strategies import RunContext, make_strategy
-    from zerodp.train import train_step
+    from zerodp.trainer.loop import train_step
 
     weights = []
     x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))

@@ -13,9 +13,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.harness import run_distributed
-from zerodp import checkpoint
+from zerodp.checkpoint import store as checkpoint
 from zerodp.convert import open_checkpoint, parse_size, write_safetensors, write_zerodp
-from zerodp.cli import main
+from zerodp.cli.commands import main
 from zerodp.errors import CheckpointError
 
 

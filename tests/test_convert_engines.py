@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.harness import ROOT, run_distributed
-from zerodp.checkpoint import sha256_file
+from zerodp.checkpoint.store import sha256_file
 from zerodp.convert import open_checkpoint, write_safetensors, write_zerodp
 from zerodp.convert.hf import SafetensorsSource
 
@@ -177,7 +177,7 @@ def test_stored_tensors_are_located_in_their_files_and_copied_from_there(ds_run,
 def _zerodp_step_around(files_dir, step, block):
     """A zerodp step folder holding a copy of `files_dir` (DeepSpeed's or DCP's files), its manifest with
     per-block sha256 of `block` bytes."""
-    from zerodp.manifest import file_record
+    from zerodp.checkpoint.manifest import file_record
 
     shutil.copytree(files_dir, step / "inner")
     (step / "trainer.json").write_text('{"step": 3}')
@@ -205,7 +205,7 @@ def test_a_weights_only_conversion_checks_the_blocks_it_reads(ds_run, dcp_dir, t
     reported (it is by zerodp's own resume check and by --to zerodp); one flipped in a weight is."""
     from safetensors.torch import load_file
 
-    from zerodp import manifest
+    from zerodp.checkpoint import manifest
     from zerodp.errors import CheckpointError
 
     files_dir = dcp_dir if key == "dcp" else ds_run[0] / key / "global_step3"

@@ -47,7 +47,7 @@ def peak_rss_mb(*args) -> tuple[float, float]:
 CHILD = """
 import sys, torch, safetensors, tqdm, torch.distributed.checkpoint
 import zerodp.convert.cli  # loaded before the baseline, as the readers and writers it uses
-from zerodp.cli import main
+from zerodp.cli.commands import main
 def status(key):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))
 before = status("VmRSS:")

@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.harness import ROOT, run_distributed
-from zerodp import checkpoint
+from zerodp.checkpoint import store as checkpoint
 from zerodp.convert import open_checkpoint, write_safetensors, write_zerodp
-from zerodp.cli import main
+from zerodp.cli.commands import main
 from zerodp.errors import UserError
 
 STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"

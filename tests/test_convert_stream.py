@@ -65,7 +65,7 @@ def manifest_folder(path, sizes=(3_000_000, 2_000_000, 10)):
 
 
 def test_background_hashing_passes_an_intact_folder_and_names_a_corrupted_file(tmp_path):
-    from zerodp.manifest import BackgroundVerify
+    from zerodp.checkpoint.manifest import BackgroundVerify
 
     ok = manifest_folder(tmp_path / "ok")
     assert BackgroundVerify(ok).result() is None
@@ -82,7 +82,7 @@ def test_background_hashing_passes_an_intact_folder_and_names_a_corrupted_file(t
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_background_hashing_stopped_or_failed_never_passes(tmp_path, monkeypatch):
-    from zerodp import manifest
+    from zerodp.checkpoint import manifest
 
     folder = manifest_folder(tmp_path / "c")
 
@@ -106,7 +106,7 @@ def test_the_command_checks_its_destination_and_starts_hashing_before_importing_
 
     from tests.harness import ROOT
 
-    code = ("import sys, zerodp.convert.cli, zerodp.convert.destination, zerodp.manifest; "
+    code = ("import sys, zerodp.convert.cli, zerodp.convert.destination, zerodp.checkpoint.manifest; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -212,7 +212,7 @@ def test_dcp_chunks_are_read_straight_into_place_and_other_layouts_through_dcp_l
 
 
 def test_a_file_record_has_the_sha256_of_the_file_and_of_each_block(tmp_path):
-    from zerodp.manifest import _inside, file_record
+    from zerodp.checkpoint.manifest import _inside, file_record
 
     data = os.urandom(10_000)
     (tmp_path / "f").write_bytes(data)

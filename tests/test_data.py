@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zerodp.config import load_config
-from zerodp.data import TokenBatches, load_tokens, prefetch
+from zerodp.data.batches import TokenBatches, load_tokens, prefetch
 from zerodp.errors import UserError
 
 

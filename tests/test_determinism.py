@@ -1,4 +1,4 @@
-"""`train.deterministic`: the key, `zerodp.determinism.apply`, and a real training run that has it on
+"""`train.deterministic`: the key, `zerodp.distributed.determinism.apply`, and a real training run that has it on
 (what the process reports afterwards, and the same losses as without it: CPU needs no help)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from zerodp import determinism
+from zerodp.distributed import determinism
 from zerodp.config import load_config
 from zerodp.errors import ConfigError, UserError
 
@@ -40,7 +40,7 @@ def test_a_non_reproducible_cublas_setting_is_refused(monkeypatch):
 
 def report_worker(overrides: list[str]) -> dict:
     """Train per `overrides`; report the determinism settings the process was left with."""
-    from zerodp.train import train
+    from zerodp.trainer.loop import train
 
     summary = train(load_config(None, overrides), fresh=True)
     return {"losses": [summary["losses"][k] for k in sorted(summary["losses"])],

@@ -1,6 +1,6 @@
 """Devices (issue 12.1): the tests run on the CPU on any machine; GPU tests are marked gpu(n) and skipped
 without n GPUs; `make quickstart`, launchers/local.sh and the overhead benchmark count GPUs one way
-(zerodp.devices: CUDA_VISIBLE_DEVICES and MIG instances as CUDA counts them)."""
+(zerodp.distributed.devices: CUDA_VISIBLE_DEVICES and MIG instances as CUDA counts them)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import MACHINE_GPUS, ROOT, base_env, gpu_env, gpu_skip_reason, machine_gpus, pin_cpu, run_distributed
-from zerodp.devices import usable_gpus
+from zerodp.distributed.devices import usable_gpus
 
 
 # -- counting ------------------------------------------------------------------------------------------------
@@ -38,7 +38,7 @@ def test_usable_gpus(device_count, visible, max_gpus, expected):
 
 
 def devices(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "zerodp.devices", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "zerodp.distributed.devices", *args], cwd=ROOT, capture_output=True, text=True,
                           env=env or base_env(1), timeout=120)
 
 
@@ -50,7 +50,7 @@ def test_count_here_is_the_cpu_default():
 
 
 def test_hidden_gpus_are_counted_without_importing_torch():
-    code = ("import sys; from zerodp.devices import count_gpus; "
+    code = ("import sys; from zerodp.distributed.devices import count_gpus; "
             "assert count_gpus(2, {'CUDA_VISIBLE_DEVICES': ''}) == 0; assert 'torch' not in sys.modules; print('ok')")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.stdout == "ok\n", r.stderr
@@ -74,7 +74,7 @@ def report_device() -> dict:
     """Run on each rank by run_distributed: what train.device=auto would get there."""
     import torch
 
-    from zerodp.dist import init_distributed
+    from zerodp.distributed.process_group import init_distributed
 
     return {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "ds_accelerator": os.environ.get("DS_ACCELERATOR"),
             "cuda": torch.cuda.is_available(), "device": str(init_distributed("auto").device)}

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.harness import ROOT, base_env, free_port
-from zerodp.dist import check_gloo_network, resolve_host, spans_several_nodes
+from zerodp.distributed.process_group import check_gloo_network, resolve_host, spans_several_nodes
 from zerodp.errors import UserError
 
 UNREACHABLE = "203.0.113.1"  # TEST-NET-3: nothing answers there

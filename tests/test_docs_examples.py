@@ -63,7 +63,7 @@ def examples() -> list[Block]:
 
 def output_of(command: str) -> str:
     """What `$ zerodp plan ...` prints, run in-process from the repository root, without the final newline."""
-    from zerodp.cli import main
+    from zerodp.cli.commands import main
 
     argv = shlex.split(command.removeprefix("$ "))[1:]
     buffer, cwd = io.StringIO(), os.getcwd()

@@ -10,11 +10,11 @@ strategy.name=auto: it runs what the planner chooses and follows the same trajec
 group per world size runs the whole row.
 
 The same runs check the planner's communication model (docs/memory_model.md, "Communication per
-step"): the ring bytes each rank sends per step, measured by zerodp.comm, within 5% of the planner's
+step"): the ring bytes each rank sends per step, measured by zerodp.telemetry.comm, within 5% of the planner's
 `comm_bytes` for the run, and the same on every step (ZeRO-3: from step 3 on; its first steps gather
 the persistent parameters and record the trace).
 
-The same runs check the gradient noise scale (zerodp.grad_noise): every strategy, with or without
+The same runs check the gradient noise scale (zerodp.telemetry.grad_noise): every strategy, with or without
 activation checkpointing, measures the same estimate at every step as ddp on the same data (to
 NOISE_TOLERANCE: the gradients agree to rounding), though each takes its local norms at another hook
 (docs/grad_noise.md); tests/test_grad_noise.py checks the estimate against per-example gradients.
@@ -33,7 +33,7 @@ import torch
 from tests.harness import run_distributed
 from tests.reference import LLAMA, reference_run
 from zerodp.config import load_config
-from zerodp.train import resolve_strategy
+from zerodp.trainer.loop import resolve_strategy
 
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
 MODELS = {"gpt2": [], "llama": LLAMA}

@@ -273,7 +273,7 @@ def test_sigterm_while_blocked_on_a_hung_peer_exits_promptly(tiny, tmp_path):
     shutdown timeout. Rank 1 hangs (its process alive: its heartbeat goes on) at step 6 with
     checkpoint.every=2; rank 0, blocked in step 6's gradient all-reduce, gets SIGTERM. It exits with 143
     within seconds, naming step_00000004, which is intact and the newest published checkpoint."""
-    from zerodp import checkpoint
+    from zerodp.checkpoint import store as checkpoint
 
     out = tmp_path / "run"
     # train.log_every=1: every step's line is out when it ends (the loop's default fetches every 10th)

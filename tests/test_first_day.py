@@ -102,7 +102,7 @@ def test_damaged_checkpoint_is_set_aside_and_keep_last_counts_intact_ones(tmp_pa
     assert r.stderr.count("step_00000005 is damaged") == 1, r.stderr
     names = sorted(p.name for p in root.iterdir())
     assert names == ["latest", "step_00000004", "step_00000005.damaged", "step_00000008"], names
-    from zerodp import checkpoint
+    from zerodp.checkpoint import store as checkpoint
 
     assert checkpoint.verify(root / "step_00000004") is None and checkpoint.verify(root / "step_00000008") is None
     # what was saved is still there, for inspection
@@ -175,7 +175,7 @@ def test_ctrl_c_under_torchrun_saves_on_every_rank(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     done = int(re.search(r"Ctrl-C: stopped after step (\d+), checkpoint saved", err).group(1))
-    from zerodp import checkpoint
+    from zerodp.checkpoint import store as checkpoint
 
     ckpt = out / "checkpoints" / f"step_{done:08d}"
     assert checkpoint.verify(ckpt) is None
@@ -301,7 +301,7 @@ def test_stragglers_sustained_beyond_noise_only():
     `patience` steps is reported once per slow spell, against the other ranks (not a 2-rank mean)."""
     import random
 
-    from zerodp.faults import StragglerMonitor
+    from zerodp.resilience.faults import StragglerMonitor
 
     rng = random.Random(0)
     noisy = StragglerMonitor(["a", "b"], margin=0.2, patience=5)

@@ -97,7 +97,7 @@ def test_fsdp_resume_is_exact_and_checkpoint_uses_plain_names(first_launch):
 
 def state_bytes_worker(overrides: list[str]) -> dict:
     """Runs on every rank: state_bytes at setup, after a backward and after a step; full weights."""
-    from zerodp.dist import init_distributed
+    from zerodp.distributed.process_group import init_distributed
     from zerodp.models import build_model
     from zerodp.strategies import RunContext, make_strategy
 

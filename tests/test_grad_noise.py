@@ -1,4 +1,4 @@
-"""The gradient noise scale (zerodp.grad_noise, docs/grad_noise.md) against its definition.
+"""The gradient noise scale (zerodp.telemetry.grad_noise, docs/grad_noise.md) against its definition.
 
 One process trains the tiny model with accumulation (micro batch 2, global batch 16: the two batch
 sizes) at a learning rate of 1e-12, so that every step sees the same weights; then per-example
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT, run_distributed
-from zerodp.grad_noise import NoiseScale, advice, skip_reason
+from zerodp.telemetry.grad_noise import NoiseScale, advice, skip_reason
 
 STEPS, MICRO, GLOBAL = 40, 2, 16
 BRUTE_FORCE_TOLERANCE = 0.25
@@ -40,9 +40,9 @@ def brute_force(overrides: list[str]) -> dict:
     from torch.func import functional_call, grad, vmap
 
     from zerodp.config import load_config
-    from zerodp.data import TokenBatches, load_tokens
+    from zerodp.data.batches import TokenBatches, load_tokens
     from zerodp.models import build_model
-    from zerodp.train import train
+    from zerodp.trainer.loop import train
 
     cfg = load_config(None, overrides)
     summary = train(cfg, fresh=True, return_weights=True)
@@ -103,7 +103,7 @@ def test_running_estimate_matches_per_example_gradients(tiny, tmp_path, capsys):
     _check_plan_from_run(tmp_path, records[-1], capsys)
 
 
-NO_TORCH = ("import json, sys\nfrom zerodp.cli import main\nassert main(sys.argv[1:]) == 0\n"
+NO_TORCH = ("import json, sys\nfrom zerodp.cli.commands import main\nassert main(sys.argv[1:]) == 0\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')]\nassert not bad, bad\n")
 
 
@@ -119,7 +119,7 @@ def _check_plan_from_run(run_dir: Path, last: dict, capsys) -> None:
     assert found["rows"][0] == {"world_size": 1, "global_batch": GLOBAL, "ratio": GLOBAL / critical,
                                 "exceeds": GLOBAL > critical}
     assert all(row["exceeds"] == (row["world_size"] * GLOBAL > critical) for row in found["rows"])
-    from zerodp.cli import main
+    from zerodp.cli.commands import main
 
     capsys.readouterr()
     assert main(["plan", "--from-run", str(run_dir), "--model", "gpt2", "--gpus", "8"]) == 0

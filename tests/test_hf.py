@@ -20,15 +20,15 @@ from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHe
 
 from tests.conftest import TINY
 from tests.harness import run_distributed
-from zerodp import checkpoint
-from zerodp.cli import main
+from zerodp.checkpoint import store as checkpoint
+from zerodp.cli.commands import main
 from zerodp.config import load_config
 from zerodp.convert import open_checkpoint
-from zerodp.data import TokenBatches, load_tokens
+from zerodp.data.batches import TokenBatches, load_tokens
 from zerodp.errors import ConfigError, UserError
 from zerodp.models import arch_of, build_model, param_shapes
 from zerodp.models.hf import TRANSPOSE, from_hf, hf_config_from_model, model_config_from_hf, to_hf
-from zerodp.start import plan_start
+from zerodp.trainer.start import plan_start
 
 TOL = 1e-5
 SEQ, VOCAB = 32, 256  # TINY's block_size and the byte-level vocabulary, so imported models train on its data

@@ -16,7 +16,7 @@ from zerodp.models.common import INIT_BLOCK, normal_range
 
 def initial_weights(runs: list[list[str]]) -> list[dict[str, torch.Tensor]]:
     """Runs on every rank: per config, the strategy's full fp32 weights right after setup (no step)."""
-    from zerodp.dist import init_distributed
+    from zerodp.distributed.process_group import init_distributed
     from zerodp.strategies import RunContext, make_strategy
 
     env = init_distributed("cpu")

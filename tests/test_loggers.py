@@ -78,7 +78,7 @@ def test_tensorboard_and_wandb_hold_every_scalar_of_metrics_jsonl(tmp_path):
                                                  ("wandb", "train.wandb", "myproject")])
 def test_missing_logger_package_is_one_line_naming_the_install(tmp_path, package, key, value):
     """The package is made unimportable in the process (as if it were not installed)."""
-    script = (f"import sys; sys.modules[{package!r}] = None; from zerodp.cli import main; "
+    script = (f"import sys; sys.modules[{package!r}] = None; from zerodp.cli.commands import main; "
               f"sys.exit(main(sys.argv[1:]))")
     cmd = [sys.executable, "-c", script, "train", "configs/llama-tiny.yaml", *LLAMA, f"train.out_dir={tmp_path}",
            f"{key}={value}"]

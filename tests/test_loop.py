@@ -22,11 +22,11 @@ def count_syncs(overrides: list[str]) -> dict:
     from torch's or DeepSpeed's own code (AdamW reads its CPU step counter with .item()) are theirs."""
     import torch
 
-    import zerodp.step_metrics
-    import zerodp.train
+    import zerodp.telemetry.step_metrics
+    import zerodp.trainer.loop
     from zerodp.config import load_config
 
-    package = str(Path(zerodp.train.__file__).parent)
+    package = str(Path(zerodp.trainer.loop.__file__).parent.parent)  # the whole zerodp package
     state = {"step": 0}
     seen: list[tuple[int, str, str]] = []  # (step, call, caller's file)
 
@@ -41,16 +41,16 @@ def count_syncs(overrides: list[str]) -> dict:
     for name in SYNCS:
         setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
     torch.cuda.synchronize = counted("synchronize", torch.cuda.synchronize)
-    zerodp.step_metrics.all_gather_floats = counted("all_gather", zerodp.step_metrics.all_gather_floats)
-    real_step = zerodp.train.train_step
+    zerodp.telemetry.step_metrics.all_gather_floats = counted("all_gather", zerodp.telemetry.step_metrics.all_gather_floats)
+    real_step = zerodp.trainer.loop.train_step
 
     def numbered_step(*args, **kwargs):  # what follows belongs to this step, up to the next one
         state["step"] += 1
         return real_step(*args, **kwargs)
 
-    zerodp.train.train_step = numbered_step
+    zerodp.trainer.loop.train_step = numbered_step
     cfg = load_config(None, overrides)
-    summary = zerodp.train.train(cfg, fresh=True)
+    summary = zerodp.trainer.loop.train(cfg, fresh=True)
     records = [json.loads(x) for x in (Path(cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()]
     return {"seen": seen, "records": records, "run": summary["run"]}
 
@@ -100,7 +100,7 @@ def test_no_mfu_on_a_cpu_without_a_peak():
     import torch
 
     from zerodp.config import load_config
-    from zerodp.step_metrics import peak_flops
+    from zerodp.telemetry.step_metrics import peak_flops
 
     assert peak_flops(load_config(None, []), torch.device("cpu")) == (None, "")
     assert peak_flops(load_config(None, ["train.peak_tflops=312"]), torch.device("cpu")) == (312e12, "")

@@ -381,7 +381,7 @@ TRAIN_SPLIT_ERROR = {  # what `zerodp train` says on these world sizes (Config.c
 
 @pytest.mark.parametrize("config,argv", [("gpt2-124m", ["--gpus", "8", "--nodes", "2"]), ("tiny", ["--gpus", "64"])])
 def test_plan_config_refuses_a_batch_split_train_refuses(config, argv, capsys, monkeypatch):
-    from zerodp.cli import main
+    from zerodp.cli.commands import main
     from zerodp.config import load_config
 
     monkeypatch.chdir(ROOT)
@@ -473,7 +473,7 @@ def test_bad_input_messages(argv, message):
 
 
 def test_planning_imports_neither_torch_nor_deepspeed():
-    code = ("import sys\nfrom zerodp.cli import main\n"
+    code = ("import sys\nfrom zerodp.cli.commands import main\n"
             "assert main(['plan', '--model', 'llama2-7b', '--gpus', '8', '--hbm', '80GB', '--json']) == 0\n"
             "from zerodp.planner import plan_for_training\nfrom zerodp.config import Config\n"
             "plan_for_training(Config(), 2, 10**10)\n"
@@ -484,7 +484,7 @@ def test_planning_imports_neither_torch_nor_deepspeed():
 
 
 def test_zerodp_plan_entry_point_imports_no_torch():
-    code = ("import sys\nfrom zerodp.cli import main\n"
+    code = ("import sys\nfrom zerodp.cli.commands import main\n"
             "assert main(['plan', '--model', 'gpt2', '--gpus', '8', '--json']) == 0\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed')]\n"
             "assert not bad, bad\n")

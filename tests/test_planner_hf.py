@@ -179,7 +179,7 @@ def test_hf_config_of_a_planner_only_family_imports_no_torch(tmp_path):
     for name in ("gemma2-9b", "mixtral-8x7b", "qwen1.5-moe-a2.7b", "phi3-mini"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(PUBLISHED[name]))
-    code = ("import sys\nfrom zerodp.cli import main\n"
+    code = ("import sys\nfrom zerodp.cli.commands import main\n"
             f"for name in ('gemma2-9b', 'mixtral-8x7b', 'qwen1.5-moe-a2.7b', 'phi3-mini'):\n"
             f"    assert main(['plan', '--hf-config', {str(tmp_path)!r} + '/' + name, '--gpus', '8', '--json']) == 0\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'transformers')]\n"

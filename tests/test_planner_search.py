@@ -241,7 +241,7 @@ def test_training_with_auto_runs_the_micro_batch_it_prints(tmp_path):
 def test_auto_where_even_micro_batch_1_does_not_fit_says_what_would():
     import torch
 
-    from zerodp.train import resolve_strategy
+    from zerodp.trainer.loop import resolve_strategy
 
     cfg = load_config(ROOT / "configs/tiny.yaml", ["model.n_layer=48", "model.n_embd=4096", "model.n_head=32",
                                                   "train.micro_batch_size=auto", "strategy.name=ddp"])

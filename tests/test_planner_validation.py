@@ -47,7 +47,7 @@ def measure_worker(runs: list[list[str]]) -> list[dict]:
     after it), then the next step's micro batches, calling state_bytes() after each backward. Returns
     the per-key peak over those calls: ZeRO-1 holds its full gradients and FSDP its unsharded ones
     between micro batches, the sharded ones after the last."""
-    from zerodp.dist import init_distributed
+    from zerodp.distributed.process_group import init_distributed
     from zerodp.models import build_model
     from zerodp.strategies import RunContext, make_strategy
 

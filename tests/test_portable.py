@@ -9,7 +9,7 @@ from tests.conftest import TINY
 from tests.harness import run_distributed
 from tests.reference import LLAMA, WEIGHT_TOLERANCE, reference_run
 from zerodp.config import load_config
-from zerodp.data import TokenBatches, load_tokens
+from zerodp.data.batches import TokenBatches, load_tokens
 from zerodp.models import build_model
 
 # (model, saved by, on, resumed by, on); the llama rides along (with activation checkpointing:

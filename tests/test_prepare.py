@@ -12,8 +12,8 @@ import pytest
 
 from tests.harness import ROOT
 from tests.text_fixtures import EOT, stdlib_texts, train_bpe, write_jsonl, write_parquet, write_text_folder
-from zerodp.cli import main
-from zerodp.prepare import val_mask
+from zerodp.cli.commands import main
+from zerodp.data.prepare import val_mask
 
 TEXTS = stdlib_texts(36, max_bytes=12_000)  # ~150 KB: documents of real source code
 

@@ -18,10 +18,10 @@ from tests.harness import ROOT
 from tests.reference import LLAMA, reference_run
 from tests.text_fixtures import stdlib_texts, train_bpe, write_jsonl
 from zerodp.config import load_config
-from zerodp.data import PreparedTokens, TokenBatches, load_tokens
+from zerodp.data.batches import PreparedTokens, TokenBatches, load_tokens
 from zerodp.errors import UserError
-from zerodp.prepare import PrepareOptions, prepare
-from zerodp.sample import decode, prompt_tokens
+from zerodp.data.prepare import PrepareOptions, prepare
+from zerodp.trainer.sample import decode, prompt_tokens
 
 STEPS = 3
 
@@ -316,7 +316,7 @@ def test_generate_and_eval_name_a_prepared_folder_and_what_to_pass(prepared, tmp
     from safetensors.torch import save_file
     import torch
 
-    from zerodp.cli import main
+    from zerodp.cli.commands import main
 
     data = prepared[0] / "data"
     assert main(["generate", str(data)]) == 2

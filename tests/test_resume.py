@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import TINY
 from tests.harness import run_distributed
-from zerodp import checkpoint
+from zerodp.checkpoint import store as checkpoint
 
 
 def resume_runs(tiny, out, strategy):

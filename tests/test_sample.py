@@ -29,8 +29,8 @@ SMALL = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.vocab_si
 
 
 def _setup(overrides: list[str]):
-    """The strategy set up as zerodp.train.train sets it up (meta-device model, real engine)."""
-    from zerodp.dist import init_distributed
+    """The strategy set up as zerodp.trainer.loop.train sets it up (meta-device model, real engine)."""
+    from zerodp.distributed.process_group import init_distributed
     from zerodp.strategies import RunContext, make_strategy
 
     cfg = load_config(None, overrides)
@@ -48,8 +48,8 @@ def sample_after_training(runs: list[list[str]], steps: list[int]) -> list[dict]
     (for the reference, after sampling) the full weights on rank 0."""
     import torch.distributed as dist
 
-    from zerodp.sample import generate_tokens, sample
-    from zerodp.train import train_step
+    from zerodp.trainer.sample import generate_tokens, sample
+    from zerodp.trainer.loop import train_step
 
     results = []
     for overrides, steps in zip(runs, steps, strict=True):
@@ -85,8 +85,8 @@ def sample_memory(runs: list[list[str]]) -> list[dict]:
 
     import torch.distributed as dist
 
-    from zerodp.sample import sample
-    from zerodp.train import train_step
+    from zerodp.trainer.sample import sample
+    from zerodp.trainer.loop import train_step
 
     def growth(fn) -> tuple[int, object]:
         gc.collect()
@@ -112,7 +112,7 @@ def sample_memory(runs: list[list[str]]) -> list[dict]:
 
 def _reference(overrides: list[str], weights: dict) -> list[int]:
     """DecoderLM.generate on one process from the full weights, seeded as sample() is."""
-    from zerodp.sample import prompt_tokens
+    from zerodp.trainer.sample import prompt_tokens
 
     cfg = load_config(None, overrides)
     model = build_model(cfg.model, device="cpu")
@@ -124,7 +124,7 @@ def _reference(overrides: list[str], weights: dict) -> list[int]:
 
 
 def _check_against_reference(runs: list[list[str]], results: list[list[dict]]) -> None:
-    from zerodp.sample import decode, prompt_tokens
+    from zerodp.trainer.sample import decode, prompt_tokens
 
     for i, overrides in enumerate(runs):
         per_rank = [r[i] for r in results]

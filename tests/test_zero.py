@@ -186,7 +186,7 @@ def test_zero_matches_reference_and_resumes_exactly(launches):
 def state_worker(overrides: list[str]) -> dict:
     """Per stage, the state_bytes of a ZeRO strategy after setup, between two accumulated micro-batches
     and after step()."""
-    from zerodp.dist import init_distributed
+    from zerodp.distributed.process_group import init_distributed
     from zerodp.models import build_model
     from zerodp.strategies import RunContext, make_strategy
 
@@ -242,7 +242,7 @@ def loss_scaler_worker(overrides: list[str], out_dir: str) -> dict:
     scaler starts over. DeepSpeed's CPU accelerator has no fp16, so the scaler is swapped in directly."""
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from zerodp.dist import init_distributed
+    from zerodp.distributed.process_group import init_distributed
     from zerodp.models import build_model
     from zerodp.strategies import RunContext, make_strategy
 
@@ -291,7 +291,7 @@ def min_scale_worker(overrides: list[str]) -> dict:
     from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
     from deepspeed.runtime.precision_config import DeepSpeedFP16Config
 
-    from zerodp.dist import init_distributed
+    from zerodp.distributed.process_group import init_distributed
     from zerodp.models import build_model
     from zerodp.strategies import RunContext, make_strategy
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from zerodp.cli import main as zerodp_main
+from zerodp.cli.commands import main as zerodp_main
 from zerodp.convert.deepspeed_ckpt import DeepSpeedSource
 from zerodp.convert.safeload import safe_torch_load
 
@@ -28,12 +28,12 @@ def train_then_probe(runs: list[dict], probes: list[dict]) -> list[dict]:
     does) and report the live engine's counters."""
     import torch.distributed as dist
 
-    from zerodp import checkpoint
+    from zerodp.checkpoint import store as checkpoint
     from zerodp.config import load_config
     from zerodp.convert import open_checkpoint, write_zerodp
     from zerodp.models import build_model
     from zerodp.strategies import RunContext, make_strategy
-    from zerodp.train import train
+    from zerodp.trainer.loop import train
 
     for run in runs:
         if "import" in run:

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-import zerodp.train
+import zerodp.trainer.loop
 from zerodp.config import load_config
-from zerodp.data import TokenBatches
+from zerodp.data.batches import TokenBatches
 from zerodp.errors import PeerFailure
-from zerodp.train import train
+from zerodp.trainer.loop import train
 
 
 def train_runs(runs: list[dict]) -> list[dict]:
@@ -50,7 +50,7 @@ def several(calls: list[dict]) -> list:
 
 def die_at_step(overrides: list[str], rank: int, step: int) -> dict:
     """`rank` dies (no goodbye) when it starts optimizer step `step`; the others report what they saw."""
-    real_step = zerodp.train.train_step
+    real_step = zerodp.trainer.loop.train_step
     calls = {"n": 0}
 
     def dying_step(*args, **kwargs):
@@ -59,7 +59,7 @@ def die_at_step(overrides: list[str], rank: int, step: int) -> dict:
         calls["n"] += 1
         return real_step(*args, **kwargs)
 
-    zerodp.train.train_step = dying_step
+    zerodp.trainer.loop.train_step = dying_step
     try:
         train(load_config(None, overrides + ["strategy.timeout_s=30"]), fresh=True)
     except PeerFailure as e:
@@ -69,7 +69,7 @@ def die_at_step(overrides: list[str], rank: int, step: int) -> dict:
 
 def hang_at_step(overrides: list[str], rank: int, step: int, seconds: float) -> dict:
     """`rank` stops answering at optimizer step `step` for `seconds` (then leaves); the others time out."""
-    real_step = zerodp.train.train_step
+    real_step = zerodp.trainer.loop.train_step
     calls = {"n": 0}
 
     def hanging_step(*args, **kwargs):
@@ -79,7 +79,7 @@ def hang_at_step(overrides: list[str], rank: int, step: int, seconds: float) -> 
         calls["n"] += 1
         return real_step(*args, **kwargs)
 
-    zerodp.train.train_step = hanging_step
+    zerodp.trainer.loop.train_step = hanging_step
     started = time.monotonic()
     try:
         train(load_config(None, overrides), fresh=True)
@@ -135,7 +135,8 @@ def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict
 
 def find_resumable_shared(out_dir: str) -> dict:
     """Run the collective resume lookup; report what it found and which files this rank hashed."""
-    from zerodp import checkpoint, manifest
+    from zerodp.checkpoint import store as checkpoint
+    from zerodp.checkpoint import manifest
 
     real, hashed = manifest.sha256_file, []
 

@@ -1,5 +1,5 @@
 import sys
 
-from zerodp.cli import main
+from zerodp.cli.commands import main
 
 sys.exit(main())

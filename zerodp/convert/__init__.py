@@ -7,6 +7,9 @@ code executed. See docs/checkpoints.md.
     write_safetensors(src, "export/", dtype="bf16", max_shard_size=parse_size("5GB"))
     write_hf(src, "hf-export/")                          # config.json + HF names and layouts
     write_zerodp(src, "runs/new/checkpoints/step_00001000")
+
+Layer: above config, models and the checkpoint manifest (zerodp.checkpoint.manifest, safe_output);
+training's save/load (zerodp.checkpoint.store) and strategies import it.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ FORMATS = ("zerodp", "deepspeed", "dcp", "safetensors")
 def detect_format(path: str | Path) -> tuple[str, Path]:
     """(format, the path to open) for a checkpoint file or folder; CheckpointError if none fits."""
     from zerodp.convert.deepspeed_ckpt import find_deepspeed_dir
-    from zerodp.manifest import resolve_step_folder as resolve_zerodp_root
+    from zerodp.checkpoint.manifest import resolve_step_folder as resolve_zerodp_root
 
     path = Path(path)
     if not path.exists():
@@ -73,7 +76,7 @@ def open_checkpoint(path: str | Path, verify_deep: bool = False, hash_beside_rea
     checked before any tensor is read; a damaged file raises CheckpointError naming it. With
     hash_beside_reads the sha256 check runs in threads while tensors are read, and
     `source.confirm()` waits for it and raises (the writers call it before publishing). `hashing`: a
-    zerodp.manifest.BackgroundVerify already begun on the checkpoint's step folder, used instead of a new one."""
+    zerodp.checkpoint.manifest.BackgroundVerify already begun on the checkpoint's step folder, used instead of a new one."""
     fmt, where = detect_format(path)
     if fmt == "zerodp":
         from zerodp.convert.zerodp_ckpt import ZerodpSource

@@ -2,7 +2,7 @@
 
 Wired into zerodp/cli.py by `add_convert_parser(sub)` and `add_inspect_parser(sub)`; each sets
 `func(args) -> int`; zerodp/cli.py turns a UserError into one line on stderr and exit 2. This module
-never imports zerodp.cli (no import circle): run it as `zerodp convert|inspect` or `python -m zerodp`.
+never imports zerodp.cli.commands (no import circle): run it as `zerodp convert|inspect` or `python -m zerodp`.
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ def run_convert(args) -> int:
 
 
 def _begin_hashing(src: str):
-    """A zerodp checkpoint's sha256 check (zerodp.manifest.BackgroundVerify), begun before torch is
+    """A zerodp checkpoint's sha256 check (zerodp.checkpoint.manifest.BackgroundVerify), begun before torch is
     imported: the hashing threads run while the imports (2-4 s) hold the main one. None for other formats."""
-    from zerodp.manifest import BackgroundVerify, resolve_step_folder
+    from zerodp.checkpoint.manifest import BackgroundVerify, resolve_step_folder
 
     path = Path(src)
     try:
@@ -126,7 +126,7 @@ def _convert(args, shard, window, hashing, t0) -> int:
 def _say_what_resumes(dst: Path) -> None:
     """An import into a run's checkpoints folder: say so when a rerun of that run would resume from
     another checkpoint (the one `latest` names, or a newer one), and how to choose this one."""
-    from zerodp.manifest import checkpoint_order, latest_name, recorded_step
+    from zerodp.checkpoint.manifest import checkpoint_order, latest_name, recorded_step
 
     root = dst.parent
     if root.name != "checkpoints" or dst.name not in {p.name for p in checkpoint_order(root)}:

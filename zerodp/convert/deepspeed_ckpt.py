@@ -91,7 +91,7 @@ def file_offset(t: torch.Tensor, mapped: list[tuple[int, int, int]]) -> int | No
 def _with_records(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
     """`ranges` plus, for every stored record of those torch zip files whose data lies wholly inside
     them, the record from its local header on: consecutive unread tensors then make one unread run."""
-    from zerodp.manifest import _inside
+    from zerodp.checkpoint.manifest import _inside
 
     by_file: dict[str, list[tuple[int, int]]] = {}
     for path, at, n in ranges:

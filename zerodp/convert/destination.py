@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from zerodp.errors import UserError
-from zerodp.safe_output import check_output
+from zerodp.checkpoint.safe_output import check_output
 
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -343,7 +343,7 @@ def _copy_some(src: int, dst: int, count: int, src_at: int, dst_at: int) -> int:
 
 def flush_soon(path: Path) -> threading.Thread:
     """fsync `path` in a daemon thread, so that the disk writes a finished output file while the next one
-    is converted: the kernel would otherwise hold its pages until the final fsync (zerodp.safe_output's,
+    is converted: the kernel would otherwise hold its pages until the final fsync (zerodp.checkpoint.safe_output's,
     before publishing; still done, and then has little left to wait for). Errors are left to that one."""
     def run() -> None:
         try:

@@ -3,7 +3,7 @@ safetensors in HF's names and layouts), and a zerodp checkpoint in the canonical
 
 All stream: tensors are fetched from the source one at a time and written straight into a file
 whose header was laid out first, so memory holds about one tensor whatever the model size. Both
-write through zerodp.safe_output: DST never overlaps what the source reads, only an earlier output
+write through zerodp.checkpoint.safe_output: DST never overlaps what the source reads, only an earlier output
 of the same target is replaced (`check_destination`), and only once the new one is complete. The
 Hugging Face and zerodp targets read the source through zerodp.convert.full_state.FullState, so both
 write their own names and layouts whatever the source's (zerodp/models/hf.py holds the mapping).
@@ -27,7 +27,7 @@ from zerodp.convert.destination import (  # noqa: F401
     HF_CONFIG, INDEX, TOKENIZER_FILES, check_destination, convert_output_kind, parse_size)
 from zerodp.convert.stream import DEFAULT_WINDOW, read_ahead
 from zerodp.errors import CheckpointError, UserError
-from zerodp.safe_output import staged
+from zerodp.checkpoint.safe_output import staged
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -295,7 +295,7 @@ def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = N
     """Write `dst` as a zerodp checkpoint folder in the canonical layout (strategy "single", world size 1):
     model.safetensors (fp32 weights), optim.safetensors (fp32 exp_avg / exp_avg_sq, where the source
     has them), optim.json (AdamW step per parameter), trainer.json and meta.json with its manifest.
-    zerodp.checkpoint.verify() accepts the result; `step` overrides the source's training step."""
+    zerodp.checkpoint.store.verify() accepts the result; `step` overrides the source's training step."""
     dst = Path(dst)
     train_step = step if step is not None else source.step()
     _check_step_name(dst, train_step)
@@ -309,7 +309,7 @@ def _check_step_name(dst: Path, train_step: float | None) -> None:
     """A `step_N` destination must hold step N: training numbers its next saves from the step the
     checkpoint records, and a folder named for another step would be mistaken for it by anyone reading
     the folder names (and was, by earlier resume code)."""
-    from zerodp.manifest import is_step_name, step_dir_name
+    from zerodp.checkpoint.manifest import is_step_name, step_dir_name
 
     if not is_step_name(dst.name):
         return
@@ -324,7 +324,7 @@ def _check_step_name(dst: Path, train_step: float | None) -> None:
 
 def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | None, progress: bool,
                        window: int = DEFAULT_WINDOW) -> None:
-    from zerodp.manifest import FORMAT_VERSION, file_record
+    from zerodp.checkpoint.manifest import FORMAT_VERSION, file_record
     from zerodp.convert.full_state import FullState
 
     state = FullState(source, with_optimizer=False)  # the model's names and layouts, whatever the source's

@@ -14,7 +14,7 @@ import torch
 
 from zerodp.convert.source import MOMENTS, CheckpointSource, FileRanges, SafetensorsFile, TensorInfo, check_kind
 from zerodp.errors import CheckpointError
-from zerodp.manifest import META, BackgroundVerify, resolve_step_folder as resolve_zerodp_root  # noqa: F401
+from zerodp.checkpoint.manifest import META, BackgroundVerify, resolve_step_folder as resolve_zerodp_root  # noqa: F401
 
 
 class ZerodpSource(CheckpointSource):
@@ -148,7 +148,7 @@ class ZerodpSource(CheckpointSource):
         return [self.path / META] + [self.path / rel for rel in self.meta.get("files", {})]
 
     def verify(self, deep: bool = True) -> str | None:
-        from zerodp.manifest import verify
+        from zerodp.checkpoint.manifest import verify
 
         return verify(self.path, deep=deep)
 

@@ -6,6 +6,9 @@
 
 A family's constructor only declares modules; it never initialises (torch's own per-module init would
 draw every weight on every rank). Initial values come from `DecoderLM.initial_values(name, seed)`.
+
+Layer: above errors only (the specs are torch-free; the modules import torch); config, convert, the
+planner, strategies and the trainer import it.
 """
 
 from __future__ import annotations

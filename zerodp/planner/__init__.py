@@ -9,6 +9,9 @@ group, no GPU, and neither torch nor deepspeed is imported, so `zerodp plan` ans
     choose(model, cluster, workload) -> Plan      every strategy, the choice, and why (choose.py; the
                                                   rows, search and pick: rows.py; the sentences: reasons.py)
     plan_for_training(cfg, world_size, device_memory_bytes, device_name) -> Plan
+
+Layer: above config, the model specs and the noise-scale math (zerodp.telemetry.grad_noise); torch-
+free. The CLI, the trainer and telemetry import it.
 """
 
 from zerodp.planner.choose import Plan, choose

@@ -1,7 +1,7 @@
 """`zerodp plan`: will it fit, and how should I run it?
 
 zerodp/cli.py registers the subcommand with `add_parser(subparsers)` and calls `run(args)`; this module
-never imports zerodp.cli (no import circle). Imports neither torch nor deepspeed.
+never imports zerodp.cli.commands (no import circle). Imports neither torch nor deepspeed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`zerodp plan --from-run RUN`: the critical batch a run measured (its last `grad_noise_scale`,
-zerodp.grad_noise) against the global batch of each world size.
+zerodp.telemetry.grad_noise) against the global batch of each world size.
 
 Data parallelism grows the global batch with every rank: at the run's sequences per rank per step
 (micro batch x accumulation) W ranks train W x that many. Above the critical batch, each extra
@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from zerodp.errors import UserError
-from zerodp.grad_noise import times, two_figures
+from zerodp.telemetry.grad_noise import times, two_figures
 
 MAX_WORLD = 65536
 

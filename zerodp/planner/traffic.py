@@ -1,5 +1,5 @@
 """What each GPU sends per optimizer step, collective by collective, as the engines send them (measured by
-zerodp.comm; docs/memory_model.md, "Communication per step"), and how long each takes on the cluster's
+zerodp.telemetry.comm; docs/memory_model.md, "Communication per step"), and how long each takes on the cluster's
 links. Pure arithmetic, no torch.
 """
 
@@ -33,7 +33,7 @@ class Collective:
 
 
 def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
-    """What each GPU sends per optimizer step, as the engines send it (measured by zerodp.comm;
+    """What each GPU sends per optimizer step, as the engines send it (measured by zerodp.telemetry.comm;
     docs/memory_model.md, "Communication per step"). Sizes include each engine's padding; the few scalar
     all-reduces of a step (gradient norm, overflow check) are left out."""
     c, w = layout.cluster, layout.workload

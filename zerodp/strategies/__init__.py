@@ -1,4 +1,8 @@
-"""Strategy registry. Backends are imported lazily: `single` and `ddp` never import deepspeed."""
+"""Strategy registry. Backends are imported lazily: `single` and `ddp` never import deepspeed.
+
+Layer: above config, models, optim, convert (resharding on load) and distributed; the trainer
+imports it, and nothing below.
+"""
 
 from __future__ import annotations
 

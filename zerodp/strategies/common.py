@@ -142,7 +142,7 @@ def load_full_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, sta
 
 class LocalGradNorms:
     """This rank's own gradient norm squared per micro batch, before any reduction: the small batch of
-    the gradient noise scale (zerodp.grad_noise). A hook on each parameter (`watch`) sees the gradient
+    the gradient noise scale (zerodp.telemetry.grad_noise). A hook on each parameter (`watch`) sees the gradient
     of one backward before autograd accumulates it into .grad, so before DDP's reducer, DeepSpeed's
     and FSDP's reduction hooks, which all run at or after that accumulation; it adds the norm squared
     to a device scalar (one norm per parameter per micro batch, no host sync). A tied weight's hook sees
@@ -181,8 +181,8 @@ def grad_scale(scaler: torch.amp.GradScaler):
 
 def local_grad_norms(ctx, params=()) -> LocalGradNorms | None:
     """The strategy's LocalGradNorms, watching `params`, when train.grad_noise_scale asks for them and
-    the batch split has two batch sizes to compare (zerodp.grad_noise.skip_reason); else None."""
-    from zerodp.grad_noise import skip_reason
+    the batch split has two batch sizes to compare (zerodp.telemetry.grad_noise.skip_reason); else None."""
+    from zerodp.telemetry.grad_noise import skip_reason
 
     t = ctx.cfg.train
     if not t.grad_noise_scale or skip_reason(ctx.world_size, t.micro_batch_size, t.global_batch_size):

@@ -37,7 +37,7 @@ class DDPStrategy:
             gradient_as_bucket_view=True,  # grads live in the buckets: no second full-size copy
         )
         if ctx.cfg.train.measure_comm:
-            # The reducer's own all-reduces run in C++, out of zerodp.comm's sight; the hook issues the
+            # The reducer's own all-reduces run in C++, out of zerodp.telemetry.comm's sight; the hook issues the
             # same ones from Python, so they are counted.
             self.model.register_comm_hook(None, _mean_allreduce)
         self.optimizer = torch.optim.AdamW(param_groups(self.module, ctx.cfg), **adamw_kwargs(ctx.cfg))
@@ -58,7 +58,7 @@ class DDPStrategy:
 
     def local_grad_sq(self) -> torch.Tensor | None:
         """This step's mean over micro batches of the rank's own gradient norm squared (before the
-        reduction; zerodp.grad_noise), or None when not measured. Call before step()."""
+        reduction; zerodp.telemetry.grad_noise), or None when not measured. Call before step()."""
         return self.local_norms.take(self.ctx.grad_accum_steps, grad_scale(self.scaler)) if self.local_norms else None
 
     def step(self, lr: float) -> torch.Tensor:

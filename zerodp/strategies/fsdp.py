@@ -151,7 +151,7 @@ class FSDPStrategy:
 
     def local_grad_sq(self) -> torch.Tensor | None:
         """This step's mean over micro batches of the rank's own gradient norm squared (before the
-        reduction; zerodp.grad_noise), or None when not measured. Call before step()."""
+        reduction; zerodp.telemetry.grad_noise), or None when not measured. Call before step()."""
         return self.local_norms.take(self.ctx.grad_accum_steps, grad_scale(self.scaler)) if self.local_norms else None
 
     def micro_step(self, is_last: bool):

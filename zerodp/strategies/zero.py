@@ -277,7 +277,7 @@ class ZeroStrategy:
 
     def local_grad_sq(self) -> torch.Tensor | None:
         """This step's mean over micro batches of the rank's own gradient norm squared (before the
-        reduction; zerodp.grad_noise), or None when not measured. Call before step(): the engine
+        reduction; zerodp.telemetry.grad_noise), or None when not measured. Call before step(): the engine
         divided the loss by the accumulation steps and, with fp16, multiplied it by a loss scale that
         step() may change."""
         if self.local_norms is None:
@@ -400,7 +400,7 @@ class ZeroStrategy:
 
     def resume_at(self, step: int) -> None:
         """Continue the engine's step counters from zerodp's `step`, as DeepSpeed's own loader would
-        (an optional ability: `zerodp.checkpoint.load` calls it after every resume, whatever wrote the
+        (an optional ability: `zerodp.checkpoint.store.load` calls it after every resume, whatever wrote the
         checkpoint; `model.init_from` does not, and stays at 0). Left at 0, they restart at every
         resume: DeepSpeed's files (global_steps, global_samples, skipped_steps) would count the steps
         since the resume, and a DeepSpeed folder imported with `zerodp convert ... --to zerodp` would

@@ -11,7 +11,7 @@ import os
 import torch
 
 from zerodp.config import StrategyConfig, zeropp_refusal
-from zerodp.dist import LOCAL_WORLD_VARS
+from zerodp.distributed.process_group import LOCAL_WORLD_VARS
 from zerodp.errors import UserError
 
 

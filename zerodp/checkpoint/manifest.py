@@ -1,5 +1,5 @@
 """A checkpoint folder's manifest: its format version, `meta.json`, and the size and sha256 of every
-file, checked before anything is read. Shared by training (zerodp.checkpoint) and conversion
+file, checked before anything is read. Shared by training (zerodp.checkpoint.store) and conversion
 (zerodp.convert), which import it and not each other."""
 
 from __future__ import annotations

@@ -27,10 +27,10 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from zerodp.dist import broadcast_object
+from zerodp.distributed.process_group import broadcast_object
 from zerodp.errors import CheckpointError
 
-from zerodp.manifest import (FORMAT_VERSION, META, checkpoint_order, file_record, is_step_dir,  # noqa: F401
+from zerodp.checkpoint.manifest import (FORMAT_VERSION, META, checkpoint_order, file_record, is_step_dir,  # noqa: F401
                              latest_name, recorded_step, sha256_file, stale_latest, step_dir_name, verify)
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from zerodp.config import Config
-from zerodp.dist import all_gather_floats
-from zerodp.faults import Stopwatch
+from zerodp.distributed.process_group import all_gather_floats
+from zerodp.resilience.faults import Stopwatch
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Pending:
     probe: Stopwatch | None
     local_grad_sq: torch.Tensor | None = None
     """This rank's mean micro-batch gradient norm squared before the reduction (strategy.local_grad_sq,
-    zerodp.grad_noise), a 0-d tensor; None where not measured."""
+    zerodp.telemetry.grad_noise), a 0-d tensor; None where not measured."""
 
 
 def fetch_interval(pending: list[Pending], request_code: float):

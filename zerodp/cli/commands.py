@@ -59,8 +59,8 @@ def _run_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.dry_run:
         return _dry_run(cfg, args.fresh, user_settings(args.config, args.overrides))
-    from zerodp.dist import shutdown
-    from zerodp.train import train
+    from zerodp.distributed.process_group import shutdown
+    from zerodp.trainer.loop import train
 
     summary = train(cfg, fresh=args.fresh)
     shutdown()  # only after success: with a dead peer, teardown itself could block
@@ -94,13 +94,13 @@ def _dry_run(cfg, fresh: bool, given: dict) -> int:
     them, and where the run would start. Writes nothing."""
     import torch
 
-    from zerodp import loggers
+    from zerodp.telemetry import loggers
     from zerodp.config import dump_yaml, set_and_resolved
-    from zerodp.data import load_tokens
+    from zerodp.data.batches import load_tokens
     from zerodp.planner import plan_for_training
-    from zerodp.start import plan_start
+    from zerodp.trainer.start import plan_start
     from zerodp.strategies import check_config
-    from zerodp.train import device_memory, resolve_strategy
+    from zerodp.trainer.loop import device_memory, resolve_strategy
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     use_cuda = torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
@@ -108,7 +108,7 @@ def _dry_run(cfg, fresh: bool, given: dict) -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
     resolved, plan = resolve_strategy(cfg, world, device, local)
     if cfg.train.micro_batch_size == "auto" and os.environ.get("RANK", "0") == "0":
-        from zerodp.train import micro_batch_line  # printed before the checks that need the data
+        from zerodp.trainer.loop import micro_batch_line  # printed before the checks that need the data
         print(f"zerodp: {micro_batch_line(plan)}", flush=True)
     accum = resolved.check_batch_split(world)
     check_config(resolved, world, accum)  # the strategy's own settings (strategy.deepspeed keys, offload)
@@ -149,10 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert_cli.add_convert_parser(sub)
     convert_cli.add_inspect_parser(sub)
     _add_config(sub)
-    from zerodp import prepare_cli
+    from zerodp.cli import prepare as prepare_cli
 
     prepare_cli.add_prepare_parser(sub)
-    from zerodp import use
+    from zerodp.cli import use
 
     use.add_parsers(sub)
     return parser
@@ -196,7 +196,7 @@ PEER_ERROR_DELAY_S = 3.0
 def _print_user_error(message: str) -> None:
     """One line from rank 0, always seen.
 
-    Errors found after the process group is up are shared by the ranks (zerodp.train.agree) and printed
+    Errors found after the process group is up are shared by the ranks (zerodp.trainer.loop.agree) and printed
     by rank 0 alone. One found before it (a config error: the same on every rank) is found by every
     rank at once, and a launcher that sees any rank exit kills the others, so rank 0 could be killed
     before it prints. The other ranks therefore wait PEER_ERROR_DELAY_S and print it too if still alive:

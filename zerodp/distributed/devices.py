@@ -1,8 +1,8 @@
 """How many GPUs one launch on this machine may use: the single count behind `make quickstart` and
 `launchers/local.sh`.
 
-    python -m zerodp.devices count            # prints an integer; 0 when no GPU is usable
-    python -m zerodp.devices count --max 2    # at most 2 (what `make quickstart` starts)
+    python -m zerodp.distributed.devices count            # prints an integer; 0 when no GPU is usable
+    python -m zerodp.distributed.devices count --max 2    # at most 2 (what `make quickstart` starts)
 
 The count is torch.cuda.device_count(), because CUDA applies CUDA_VISIBLE_DEVICES itself (indices,
 GPU-... and MIG-... UUIDs; the list ends at the first entry that names no device) and enumerates a MIG
@@ -58,7 +58,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="python -m zerodp.devices", description=__doc__,
+    parser = _Parser(prog="python -m zerodp.distributed.devices", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     count = sub.add_parser("count", help="print how many GPUs a launch here may use (0 when none)")

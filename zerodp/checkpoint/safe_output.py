@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator
 
 from zerodp.errors import UserError
 
-# What makes a folder a training run (zerodp.train writes all three into train.out_dir).
+# What makes a folder a training run (zerodp.trainer.loop writes all three into train.out_dir).
 RUN_MARKERS = ("checkpoints", "metrics.jsonl", "config.yaml")
 
 

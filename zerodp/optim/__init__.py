@@ -4,6 +4,8 @@ Weight decay applies to matrices (Linear weights) only. Biases and LayerNorm par
 decayed, and neither is the token/position embedding: decaying it pulls rare tokens' rows towards zero,
 and GPT-2's tied embedding doubles as the output layer (the choice of nanoGPT's successors and Llama
 recipes alike). With tied embeddings the shared tensor appears once.
+
+Layer: above config; strategies import it.
 """
 
 from __future__ import annotations

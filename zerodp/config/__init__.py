@@ -3,6 +3,9 @@
 This module imports neither torch nor deepspeed, so the planner (`zerodp plan`) can read a training
 config instantly. Every field is documented where it is declared; `validate()` checks the values that
 do not depend on the world size, `check_batch_split()` the ones that do.
+
+Layer: above errors and the model specs (zerodp.models, whose Hugging Face config.json reader it
+uses) and nothing else; torch-free. Every other layer may import it.
 """
 
 from __future__ import annotations
@@ -345,7 +348,7 @@ class Config:
 
     def check_batch_split(self, world_size: int) -> int:
         """Return gradient accumulation steps for this world size, or explain why the split fails.
-        train.micro_batch_size=auto must be resolved first (zerodp.train.resolve_strategy)."""
+        train.micro_batch_size=auto must be resolved first (zerodp.trainer.loop.resolve_strategy)."""
         assert self.train.micro_batch_size != "auto", "resolve train.micro_batch_size=auto before splitting"
         return batch_split(self.train.global_batch_size, self.train.micro_batch_size, world_size)
 
@@ -596,7 +599,7 @@ def take_prepared_vocab(cfg: Config) -> Config:
     command finds the same model. Returns cfg, changed in place."""
     if cfg.data.source == "builtin":
         return cfg
-    from zerodp.prepare import prepared_meta  # json only; the module imports numpy, never torch
+    from zerodp.config.sources import prepared_meta
 
     vocab = (prepared_meta(cfg.data.source) or {}).get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:

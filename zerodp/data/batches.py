@@ -39,7 +39,7 @@ import torch
 
 from zerodp.config import Config
 from zerodp.errors import UserError
-from zerodp.prepare import plural, prepared_meta  # train, sample and use take prepared_meta from here
+from zerodp.data.prepare import plural, prepared_meta  # train, sample and use take prepared_meta from here
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".tex")
 

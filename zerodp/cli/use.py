@@ -126,8 +126,8 @@ def text_of(source, run_cfg: dict, tokenizer: str | None) -> Text:
     """The Text of an open checkpoint: --tokenizer, else the run's recorded tokenizer, else a
     tokenizer.json beside the checkpoint (an HF export), else the prepared folder the run's config names;
     bytes when the run read text byte by byte; else ids."""
-    from zerodp.data import prepared_meta
-    from zerodp.sample import tokenizer_of
+    from zerodp.data.batches import prepared_meta
+    from zerodp.trainer.sample import tokenizer_of
 
     rec = source.meta.get("tokenizer") or {}
     data = (run_cfg.get("data") or {}).get("source")
@@ -190,7 +190,7 @@ def _run_config(source) -> dict:
 def _not_a_dataset(path: str, command: str) -> None:
     """Refuse a `zerodp prepare` folder given where the checkpoint goes (it holds a meta.json too, so the
     checkpoint reader would call it an incomplete checkpoint), saying what to pass instead."""
-    from zerodp.prepare import prepared_meta  # no torch: this check comes before its import
+    from zerodp.config.sources import prepared_meta  # no torch: this check comes before its import
 
     if prepared_meta(path) is None:
         return
@@ -213,7 +213,7 @@ def run_generate(args) -> int:
 
     from zerodp.api import model_from_source
     from zerodp.convert import open_checkpoint
-    from zerodp.sample import next_token
+    from zerodp.trainer.sample import next_token
 
     device = _device(args.device)
     with open_checkpoint(args.path) as source:
@@ -280,7 +280,7 @@ def run_eval(args) -> int:
 
     from zerodp.api import model_from_source
     from zerodp.convert import open_checkpoint
-    from zerodp.data import PreparedTokens, load_tokens, prepared_meta
+    from zerodp.data.batches import PreparedTokens, load_tokens, prepared_meta
 
     device = _device(args.device)
     with open_checkpoint(args.path) as source:

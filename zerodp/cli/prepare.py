@@ -1,7 +1,7 @@
 """`zerodp prepare INPUT... --tokenizer TOKENIZER --out DIR`: documents -> train.bin, val.bin, meta.json.
 
 zerodp/cli.py registers it with `add_prepare_parser(subparsers)`; `run_prepare(args)` returns the exit
-code and raises UserError for bad input (one line on stderr, exit 2). Never imports zerodp.cli (no
+code and raises UserError for bad input (one line on stderr, exit 2). Never imports zerodp.cli.commands (no
 import circle) nor torch.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zerodp.prepare import BATCH_BYTES, PrepareOptions, plural, size_text
+from zerodp.data.prepare import BATCH_BYTES, PrepareOptions, plural, size_text
 
 BATCH_SIZE = f"{BATCH_BYTES >> 10}KiB"  # --batch-size's default, as written on the command line
 
@@ -57,7 +57,7 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_prepare(args) -> int:
     from zerodp.planner.units import parse_bytes  # the sizes --max-memory and --hbm take, no torch
-    from zerodp.prepare import prepare
+    from zerodp.data.prepare import prepare
 
     opts = PrepareOptions(inputs=list(args.inputs), tokenizer=args.tokenizer, out=args.out, field=args.field,
                           val_fraction=args.val_fraction, seed=args.seed, eot=args.eot,

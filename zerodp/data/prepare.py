@@ -3,7 +3,7 @@
     zerodp prepare corpus/ more.jsonl.gz shard-0.parquet --tokenizer path/to/hf_model --out data/mine
 
 What it promises:
-- train.bin and val.bin are nanoGPT's layout (what zerodp.data reads from a .bin): a flat array of
+- train.bin and val.bin are nanoGPT's layout (what zerodp.data.batches reads from a .bin): a flat array of
   token ids, uint16 when every id of the tokenizer fits (vocabulary <= 65536), else uint32. Each
   document is the tokenizer's own encoding of its text (`Tokenizer.encode(text).ids`, the
   post-processor's special tokens included unless `special_tokens=False`) followed by the separator
@@ -19,7 +19,7 @@ What it promises:
   calling thread appends the one before that to the two files. At most QUEUE_DEPTH + 4 batches exist
   at once; a single document larger than a batch is held whole.
 - Nothing partial: the output is written into a hidden sibling folder that becomes DIR only when
-  complete (zerodp.safe_output). A non-empty DIR is replaced only with `overwrite` and only if it is
+  complete (zerodp.checkpoint.safe_output). A non-empty DIR is replaced only with `overwrite` and only if it is
   an earlier prepare (meta.json says so); a bad input anywhere leaves DIR as it was.
 No torch import: a prepare on a CPU box loads only tokenizers, numpy and (for Parquet) pyarrow.
 """
@@ -43,12 +43,12 @@ from typing import Iterator
 import numpy as np
 
 from zerodp import __version__
+from zerodp.checkpoint.safe_output import check_output, staged
+from zerodp.config.sources import FORMAT, META, prepared_meta  # noqa: F401  (the folder's format: the config reads it too)
 from zerodp.errors import UserError
-from zerodp.safe_output import check_output, staged
 
-FORMAT, FORMAT_VERSION = "zerodp-prepare", 1
-META, SPLITS = "meta.json", ("train", "val")
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".tex")  # as zerodp.data reads
+FORMAT_VERSION, SPLITS = 1, ("train", "val")
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".tex")  # as zerodp.data.batches reads
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
@@ -66,7 +66,7 @@ class PrepareOptions:
     inputs: list[str]
     """Text files, folders of them (one document per file; also .jsonl/.parquet files inside), JSONL
     files (one document per line, optionally .gz/.zst), Parquet files, or 'builtin' (the Python
-    standard library's *.py files, zerodp.data's built-in corpus)."""
+    standard library's *.py files, zerodp.data.batches's built-in corpus)."""
     tokenizer: str
     """A tokenizer.json file, or a folder holding one (a Hugging Face model folder)."""
     out: str
@@ -392,19 +392,6 @@ def val_mask(seed: int, first: int, n: int, val_fraction: float) -> np.ndarray:
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     x ^= x >> np.uint64(31)
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53)) < val_fraction
-
-
-def prepared_meta(source: str) -> dict | None:
-    """meta.json of a `zerodp prepare` folder, or None when `source` is not one. Reads one small file:
-    training, the config (a vocabulary left unset) and `zerodp generate`/`eval` ask it what a path is."""
-    meta_file = Path(source) / META
-    if source == "builtin" or not meta_file.is_file():
-        return None
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
 
 
 def _split_long(ids: list[list[int]], in_val: np.ndarray, long: list[int],

@@ -13,19 +13,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zerodp import checkpoint, determinism, loggers
-from zerodp.comm import CommMeter, PlanCheck
+from zerodp.checkpoint import store as checkpoint
+from zerodp.distributed import determinism
+from zerodp.telemetry import loggers
+from zerodp.telemetry.comm import CommMeter, PlanCheck
 from zerodp.config import Config, dump_yaml, lr_at
-from zerodp.data import TokenBatches, describe_prepared, load_tokens, prefetch, prepared_meta
-from zerodp.dist import DistEnv, all_gather_floats, broadcast_object, init_distributed
+from zerodp.data.batches import TokenBatches, describe_prepared, load_tokens, prefetch, prepared_meta
+from zerodp.distributed.process_group import DistEnv, all_gather_floats, broadcast_object, init_distributed
 from zerodp.errors import PeerFailure, UserError
-from zerodp.faults import (DeviceProbe, Heartbeat, PeerWatch, Preemption, Stopwatch, StragglerMonitor,
+from zerodp.resilience.faults import (DeviceProbe, Heartbeat, PeerWatch, Preemption, Stopwatch, StragglerMonitor,
                            compute_from_probe)
-from zerodp.grad_noise import NoiseScale, advice, skip_reason
+from zerodp.telemetry.grad_noise import NoiseScale, advice, skip_reason
 from zerodp.models import build_model, compile_blocks, flops_per_token, param_count
-from zerodp.sample import sample
-from zerodp.step_metrics import Pending, Throughput, describe_run, fetch_interval, peak_flops
-from zerodp.start import plan_start
+from zerodp.trainer.sample import sample
+from zerodp.telemetry.step_metrics import Pending, Throughput, describe_run, fetch_interval, peak_flops
+from zerodp.trainer.start import plan_start
 from zerodp.strategies import RunContext, make_strategy
 
 
@@ -144,7 +146,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     """Train per `cfg` under the launcher's process group; return a summary of the run.
 
     The summary holds the strategy name, world size, {step: mean loss} of the steps run here, the
-    bytes rank-local state held at start, the last step's collectives (`comm`, zerodp.comm), the
+    bytes rank-local state held at start, the last step's collectives (`comm`, zerodp.telemetry.comm), the
     planner's prediction beside what was measured (`planned`), the run's figures (`run`:
     Throughput.summary, also printed as the last line before the sample, with the last
     `grad_noise_scale` when one was measured), and with `return_weights` the final full fp32 weights."""
@@ -240,7 +242,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     records: list[dict] = []
     held: dict[int, int] = {}
     pending: list[Pending] = []
-    step_comm: dict[int, dict] = {}  # each pending step's collectives (zerodp.comm), for its record
+    step_comm: dict[int, dict] = {}  # each pending step's collectives (zerodp.telemetry.comm), for its record
     stopped_early = ctrl_c = False
     step, done, save_s = start, start, 0.0
     t_end = time.perf_counter()
@@ -354,7 +356,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
 
 
 def _noise_scale(cfg: Config, env: DistEnv, state: dict | None) -> NoiseScale | None:
-    """The running gradient noise scale (zerodp.grad_noise), or None when off or not measurable here
+    """The running gradient noise scale (zerodp.telemetry.grad_noise), or None when off or not measurable here
     (said once): the strategies measure the local norms under the same condition."""
     t = cfg.train
     if not t.grad_noise_scale:

@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from zerodp.config import Config
-from zerodp.data import prepared_meta
-from zerodp.dist import DistEnv
+from zerodp.data.batches import prepared_meta
+from zerodp.distributed.process_group import DistEnv
 
 TEMPERATURE = 0.8
 TOP_K = 50

@@ -6,8 +6,21 @@
 # GLOO_SOCKET_IFNAME names the network interface (the same name on every node) that gloo binds to;
 # needed when a node's host name resolves to 127.0.1.1 or another loopback address (zerodp stops with
 # an error naming the variable). NCCL_SOCKET_IFNAME defaults to it. Both reach every rank.
+# A rank's bad input reaches this shell as its one line and exit code 2 (DeepSpeed's runner passes a
+# failed rank's code on, and logs only on stdout); after a Ctrl-C the runner exits with 1 whatever the
+# ranks did, and this script with 130, as zerodp's ranks do.
 set -euo pipefail
-hostfile=${1:?usage: multinode_deepspeed.sh HOSTFILE CONFIG.yaml [overrides...]}; config=${2:?}; shift 2
+usage="usage: launchers/multinode_deepspeed.sh HOSTFILE CONFIG.yaml [section.key=value ...]"
+if (( $# < 2 )); then echo "multinode_deepspeed.sh: error: a hostfile and a config are needed; $usage" >&2; exit 2; fi
+hostfile=$1; config=$2; shift 2
+if [ ! -f "$hostfile" ]; then
+  echo "multinode_deepspeed.sh: error: hostfile $hostfile not found; one line per node, e.g. launchers/hostfile.example; $usage" >&2
+  exit 2
+fi
+zerodp=$(command -v zerodp) || {
+  echo "multinode_deepspeed.sh: error: the zerodp command is not on PATH; activate the environment zerodp is installed in" >&2
+  exit 2
+}
 launcher=${LAUNCHER:-pdsh}
 export MASTER_ADDR=${MASTER_ADDR:-$(grep -v '^#' "$hostfile" | awk 'NF{print $1; exit}')}
 export MASTER_PORT=${MASTER_PORT:-29500}
@@ -34,7 +47,13 @@ extra=()
 # pdsh runs DeepSpeed's per-node launcher, which sets RANK/WORLD_SIZE/MASTER_*; mpirun and srun start
 # the ranks directly (zerodp reads OMPI_COMM_WORLD_* / SLURM_*) and must be handed MASTER_* themselves.
 [ "$launcher" = openmpi ] && extra=(--launcher_args "-x MASTER_ADDR -x MASTER_PORT")
+# A Ctrl-C reaches the runner too; this shell only notes it and, after the runner exits, says 130.
+interrupted=0
+trap 'interrupted=1' INT
 # The zerodp console script rather than --module: DeepSpeed's slurm runner drops `-m`.
-exec deepspeed --hostfile "$hostfile" --launcher "$launcher" \
+rc=0
+deepspeed --hostfile "$hostfile" --launcher "$launcher" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "${extra[@]}" \
-  "$(command -v zerodp)" train "$config" "$@"
+  "$zerodp" train "$config" "$@" || rc=$?
+if (( interrupted )); then exit 130; fi
+exit "$rc"

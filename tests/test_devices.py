@@ -128,7 +128,7 @@ def test_local_sh_without_gpus_trains_on_2_cpu_processes(tmp_path, tiny):
     """What `make quickstart` does here: MAX_GPUS=2, no GPU -> 2 CPU processes."""
     r = local_sh(tmp_path, tiny, "strategy.name=ddp", MAX_GPUS="2", NPROC="")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "local.sh: 2 process(es) on the CPU" in r.stderr
+    assert "local.sh: 2 process(es) on the CPU" in r.stdout
     assert "strategy ddp on 2 process(es)" in r.stdout + r.stderr
 
 

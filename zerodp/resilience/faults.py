@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from zerodp.launcher import record_exit
+
 
 class Preemption:
     """Turns SIGTERM / SIGUSR1 / a first Ctrl-C into a request to checkpoint and stop after the current
@@ -91,7 +93,7 @@ class Preemption:
         print(f"zerodp: error: {self.signal_name}: the checkpoint did not finish within the grace period "
               f"of {self.grace_s:.0f}s (train.preempt_grace_s); exiting. The previous checkpoint is intact.",
               file=sys.stderr, flush=True)
-        os._exit(143)
+        os._exit(record_exit(143))
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -348,7 +350,7 @@ class PeerWatch:
             self.say(f"zerodp: error: {message}")
             sys.stderr.flush()
         finally:
-            os._exit(code)
+            os._exit(record_exit(code))
 
 
 class StragglerMonitor:

@@ -7,7 +7,7 @@
 # (indices or GPU-/MIG- UUIDs) applied, a MIG instance one device. torchrun, not the deepspeed launcher,
 # starts the processes: `deepspeed --num_gpus N` takes GPUs 0..N-1 whatever CUDA_VISIBLE_DEVICES says, and
 # its --include accepts indices only. torchrun leaves CUDA_VISIBLE_DEVICES alone; rank r uses cuda:r of it.
-# torchrun runs inside `python -m zerodp.launcher`, which ends the launch the way zerodp's ranks chose: their
+# torchrun runs inside `python -m zerodp.distributed.launcher`, which ends the launch the way zerodp's ranks chose: their
 # one line and exit code (2: bad input, 130: Ctrl-C after saving), without torchrun's tracebacks; a rank
 # that crashes still shows its traceback, torchrun's failure report and a nonzero code.
 # stderr carries only what zerodp and the ranks say; this script's own line goes to stdout.
@@ -42,5 +42,5 @@ fi
 echo "local.sh: $nproc process(es) on $( (( gpus > 0 )) && echo "$nproc GPU(s)" || echo "the CPU")"
 # After a Ctrl-C (or SIGTERM) the ranks train on to the next log step and save; torchrun kills them after
 # --shutdown-timeout seconds (30 unless set), so it waits longer than train.preempt_grace_s (120 s).
-exec python -m zerodp.launcher --standalone --nproc-per-node "$nproc" --shutdown-timeout 150 \
+exec python -m zerodp.distributed.launcher --standalone --nproc-per-node "$nproc" --shutdown-timeout 150 \
   -m zerodp train "$config" "$@"

@@ -7,7 +7,7 @@
 # GLOO_SOCKET_IFNAME names the network interface gloo binds to (export it on every node; it may differ
 # per node here), needed where the host name resolves to 127.0.1.1 or another loopback address;
 # NCCL_SOCKET_IFNAME defaults to it. torchrun hands the workers this shell's environment.
-# torchrun runs inside `python -m zerodp.launcher` (see launchers/local.sh): each node's command ends with
+# torchrun runs inside `python -m zerodp.distributed.launcher` (see launchers/local.sh): each node's command ends with
 # the exit code its ranks chose (2: bad input, 130: Ctrl-C, 0: preempted with a checkpoint saved) and
 # without torchrun's tracebacks. With restarts left, torchrun restarts the ranks whatever their code, so
 # bad input prints its line once per attempt; MAX_RESTARTS=0 while trying a new config.
@@ -20,7 +20,7 @@ if [ -z "${RDZV_HOST:-}" ]; then
 fi
 config=$1; shift
 if [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$GLOO_SOCKET_IFNAME}; fi
-exec python -m zerodp.launcher --nnodes "${NNODES:-2}" --nproc-per-node "${NPROC:-8}" \
+exec python -m zerodp.distributed.launcher --nnodes "${NNODES:-2}" --nproc-per-node "${NPROC:-8}" \
   --rdzv-backend c10d --rdzv-endpoint "$RDZV_HOST:${RDZV_PORT:-29400}" \
   --rdzv-id "${RDZV_ID:-zerodp}" --max-restarts "${MAX_RESTARTS:-3}" \
   --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "${SHUTDOWN_TIMEOUT:-150}" \

@@ -1,6 +1,6 @@
 """The launchers end a launch the way zerodp's ranks chose: their one line and exit code (2 for bad input,
 130 after Ctrl-C, 0 after a preemption checkpoint), without torchrun's tracebacks; a rank that crashes
-still shows its traceback, torchrun's failure report and a nonzero code (zerodp.launcher)."""
+still shows its traceback, torchrun's failure report and a nonzero code (zerodp.distributed.launcher)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT, base_env, free_port
-from zerodp import launcher
+from zerodp.distributed import launcher
 
 # The small model of tests/test_first_day.py, under ddp on the 2 CPU processes of launchers/local.sh.
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "data.max_bytes=200000",
@@ -62,7 +62,7 @@ def wait_for_step(proc: subprocess.Popen, out: Path, step: int = 3, timeout: flo
 
 def saved_step(err: str, out: Path, said: str) -> int:
     """The step the ranks said they saved (`said` the start of zerodp's line); checks that checkpoint."""
-    from zerodp import checkpoint
+    from zerodp.checkpoint import store as checkpoint
 
     found = re.search(rf"{said}: stopped after step (\d+), checkpoint saved", err)
     assert found, err
@@ -159,7 +159,7 @@ def test_ctrl_c_under_multinode_deepspeed_sh_saves_and_exits_130(tmp_path):
 def test_a_rank_that_crashes_shows_its_traceback_torchruns_report_and_its_code(tmp_path, how, code, shown):
     script = tmp_path / "crash.py"
     script.write_text(f"import os, signal, time\nif os.environ['RANK'] == '1':\n    {how}\ntime.sleep(60)\n")
-    r = subprocess.run([sys.executable, "-m", "zerodp.launcher", "--standalone", "--nproc-per-node", "2", str(script)],
+    r = subprocess.run([sys.executable, "-m", "zerodp.distributed.launcher", "--standalone", "--nproc-per-node", "2", str(script)],
                        env=launch_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == code, r.stderr
     assert shown in r.stderr
@@ -188,7 +188,7 @@ def test_bad_input_to_a_launcher_script_is_one_line_exit_2(cmd, env, pattern):
     assert len(r.stderr.splitlines()) == 1 and re.search(pattern, r.stderr), r.stderr
 
 
-# -- how zerodp.launcher judges, without processes --------------------------------------------------------------------
+# -- how zerodp.distributed.launcher judges, without processes --------------------------------------------------------------------
 
 def test_a_rank_records_the_code_it_chose(tmp_path, monkeypatch):
     monkeypatch.setenv(launcher.OUTCOME_DIR, str(tmp_path))

@@ -12,7 +12,7 @@ import time
 import warnings
 
 from zerodp.errors import OneLineParser, PeerFailure, UserError
-from zerodp.launcher import record_exit
+from zerodp.distributed.launcher import record_exit
 
 
 class _Parser(OneLineParser):
@@ -65,7 +65,7 @@ def _run_train(args) -> int:
 
     summary = train(cfg, fresh=args.fresh)
     shutdown()  # only after success: with a dead peer, teardown itself could block
-    record_exit(summary["exit_code"])  # zerodp.launcher's answer to a signal it forwarded: 0 or 130
+    record_exit(summary["exit_code"])  # zerodp.distributed.launcher's answer to a signal it forwarded: 0 or 130
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A gloo thread still finishing could abort interpreter finalisation ("terminate called without
         # an active exception", seen once in a preempted 2-rank run even after shutdown): leave now.
@@ -217,7 +217,7 @@ def _print_user_error(message: str) -> None:
 def _exit_code(code: int) -> int:
     """Leave a failed distributed run with `code` now: a teardown of process groups whose peers may be
     gone can block, and finalising Python under live communication threads can abort (exit 134)."""
-    record_exit(code)  # zerodp.launcher then knows the code (1 included) for this rank's choice
+    record_exit(code)  # zerodp.distributed.launcher then knows the code (1 included) for this rank's choice
     dist = sys.modules.get("torch.distributed")  # not imported: nothing to tear down
     if dist is not None and dist.is_available() and dist.is_initialized():
         sys.stdout.flush()

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from zerodp.launcher import record_exit
+from zerodp.distributed.launcher import record_exit
 
 
 class Preemption:

@@ -1,6 +1,6 @@
 """torchrun whose outcome is the one zerodp's ranks chose: what launchers/*.sh run instead of torchrun.
 
-    python -m zerodp.launcher [torchrun options] -m zerodp train CONFIG [overrides...]
+    python -m zerodp.distributed.launcher [torchrun options] -m zerodp train CONFIG [overrides...]
 
 zerodp says how a run ended in one line and an exit code (2: bad input, 130: Ctrl-C, 0: preempted with a
 checkpoint saved; docs/operations.md). Plain torchrun then adds its own account: a rank that exits with
@@ -17,7 +17,7 @@ options, agent and signal handling, in this process, so that it can tell the two
   rendezvous) are torchrun's, traceback and all.
 
 A rank tells which code it chose in a file of the folder ZERODP_OUTCOME_DIR names (`record_exit`,
-called just before zerodp leaves: zerodp.cli, and zerodp.faults' side threads). Exit codes 2, 130 and 143
+called just before zerodp leaves: zerodp.cli.commands, and zerodp.resilience.faults' side threads). Exit codes 2, 130 and 143
 are zerodp's without one.
 """
 

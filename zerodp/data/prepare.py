@@ -26,13 +26,9 @@ No torch import: a prepare on a CPU box loads only tokenizers, numpy and (for Pa
 
 from __future__ import annotations
 
-import gzip
-import hashlib
-import io
 import json
 import queue
 import sys
-import sysconfig
 import threading
 import time
 from dataclasses import dataclass
@@ -45,15 +41,11 @@ import numpy as np
 from zerodp import __version__
 from zerodp.checkpoint.safe_output import check_output, staged
 from zerodp.config.sources import FORMAT, META, prepared_meta  # noqa: F401  (the folder's format: the config reads it too)
+from zerodp.data.sources import Source, _documents, find_sources  # noqa: F401
+from zerodp.data.tokenizer import Tok, load_tokenizer  # noqa: F401
 from zerodp.errors import UserError
 
 FORMAT_VERSION, SPLITS = 1, ("train", "val")
-TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".tex")  # as zerodp.data.batches reads
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-PARQUET_SUFFIXES = (".parquet",)
-COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-# Tried in this order when neither --eot nor a tokenizer_config.json beside the tokenizer names one.
-EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|end|>")
 # Text per encode_batch call: ~100 web documents, enough to keep the cores busy, while the library's
 # Encoding objects for it (~200 bytes a token, ~4 bytes of text a token: ~50x the text) stay small.
 BATCH_BYTES = 1 << 18
@@ -89,226 +81,6 @@ class PrepareOptions:
     """A progress bar on stderr (on a terminal only) with MB/s and tokens."""
     batch_bytes: int = BATCH_BYTES
     """Text per encode_batch call; memory, never the output, depends on it."""
-
-
-@dataclass
-class Tok:
-    """A loaded tokenizer and what meta.json records about it."""
-    tokenizer: object  # tokenizers.Tokenizer
-    path: Path  # the tokenizer.json file
-    sha256: str
-    vocab_size: int  # largest id + 1, added tokens included
-    eot_id: int | None
-    eot_token: str | None
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
-
-
-@dataclass
-class Source:
-    path: Path
-    kind: str  # text | jsonl | parquet
-    compression: str | None
-    size: int  # bytes on disk
-    given: bool  # named on the command line (an empty one is an error), not found in a folder
-    documents: int = 0
-
-
-def load_tokenizer(given: str, eot: str | None = None) -> Tok:
-    """The tokenizer at `given` (a tokenizer.json or a folder holding one) and its separator: `eot`, or
-    the folder's tokenizer_config.json eos_token, or the first of EOT_CANDIDATES it knows."""
-    from tokenizers import Tokenizer
-
-    p = Path(given)
-    if not p.exists():
-        raise UserError(f"tokenizer {given} not found; give a tokenizer.json file or a Hugging Face model folder "
-                        f"holding one")
-    file = p / "tokenizer.json" if p.is_dir() else p
-    if not file.is_file():
-        raise UserError(f"{p} holds no tokenizer.json; a folder with only vocab.json/merges.txt or tokenizer.model "
-                        f"needs one: transformers' AutoTokenizer.from_pretrained(folder).save_pretrained(folder) "
-                        f"writes it")
-    data = file.read_bytes()
-    try:
-        tok = Tokenizer.from_str(data.decode("utf-8"))
-    except Exception as e:  # tokenizers raises a bare Exception for JSON and schema errors alike
-        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{file} is not a tokenizer the tokenizers library can read ({why}); give the "
-                        f"tokenizer.json of a Hugging Face tokenizer") from None
-    vocab = tok.get_vocab(with_added_tokens=True)
-    if not vocab:
-        raise UserError(f"{file} has an empty vocabulary; give a trained tokenizer")
-    eot_token = _eot_token(tok, file, eot)
-    return Tok(tok, file, hashlib.sha256(data).hexdigest(), max(vocab.values()) + 1,
-               None if eot_token is None else tok.token_to_id(eot_token), eot_token)
-
-
-def _eot_token(tok, file: Path, eot: str | None) -> str | None:
-    if eot == "none":
-        return None
-    if eot is not None:
-        if tok.token_to_id(eot) is None:
-            raise UserError(f"--eot {eot!r} is not a token of {file}; name one of its tokens, or --eot none for "
-                            f"no separator")
-        return eot
-    config = file.with_name("tokenizer_config.json")
-    if config.is_file():
-        try:
-            named = json.loads(config.read_text()).get("eos_token")
-        except (ValueError, AttributeError):
-            named = None
-        named = named.get("content") if isinstance(named, dict) else named
-        if isinstance(named, str) and tok.token_to_id(named) is not None:
-            return named
-    found = next((t for t in EOT_CANDIDATES if tok.token_to_id(t) is not None), None)
-    if found is None:
-        raise UserError(f"{file} has no end-of-text token (none of {', '.join(EOT_CANDIDATES)}); name the "
-                        f"separator with --eot TOKEN, or --eot none for no separator")
-    return found
-
-
-def find_sources(inputs: list[str], field_name: str) -> list[Source]:
-    """Every input file in document order; UserError for a missing input, a folder without inputs, an
-    empty named file or a Parquet file without the text column."""
-    sources = []
-    for given in inputs:
-        if given == "builtin":
-            root = Path(sysconfig.get_paths()["stdlib"])
-            sources += [Source(f, "text", None, f.stat().st_size, False) for f in sorted(root.glob("*.py"))]
-            continue
-        p = Path(given)
-        if p.is_dir():
-            found = [s for f in sorted(p.rglob("*")) if f.is_file() and not _hidden(f, p)
-                     if (s := _source(f, False)) is not None]
-            if not found:
-                raise UserError(f"{p} holds no text ({', '.join(TEXT_SUFFIXES)}), JSONL ({', '.join(JSONL_SUFFIXES)}, "
-                                f"optionally .gz/.zst) or Parquet files; point it at documents")
-            sources += found
-        elif p.is_file():
-            sources.append(_source(p, True) or Source(p, "text", None, p.stat().st_size, True))
-        else:
-            raise UserError(f"input {given} not found; give text files, folders of them, .jsonl(.gz/.zst) or "
-                            f".parquet files, or 'builtin'")
-    for s in sources:
-        if s.given and s.size == 0:
-            raise UserError(f"{s.path} is empty; give files that hold documents")
-        if s.kind == "parquet":
-            _check_parquet(s.path, field_name)
-    return sources
-
-
-def _hidden(f: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in f.relative_to(root).parts)
-
-
-def _source(f: Path, given: bool) -> Source | None:
-    suffixes = [s.lower() for s in f.suffixes[-2:]]
-    compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
-    base = (suffixes[:-1] or [""])[-1] if compression else (suffixes or [""])[-1]
-    kind = "jsonl" if base in JSONL_SUFFIXES else "parquet" if base in PARQUET_SUFFIXES and not compression \
-        else "text" if base in TEXT_SUFFIXES else None
-    return None if kind is None else Source(f, kind, compression, f.stat().st_size, given)
-
-
-def _check_parquet(path: Path, column: str) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        schema = pq.ParquetFile(path).schema_arrow
-    except (pa.ArrowException, OSError) as e:
-        raise UserError(f"{path} is not a Parquet file pyarrow can read ({str(e).splitlines()[0]})") from None
-    if column not in schema.names:
-        raise UserError(f"{path} has no column {column!r} (its columns: {', '.join(schema.names)}); name the text "
-                        f"column with --field")
-    t = schema.field(column).type
-    if not (pa.types.is_string(t) or pa.types.is_large_string(t)
-            or getattr(pa.types, "is_string_view", lambda _: False)(t)):
-        raise UserError(f"column {column!r} of {path} holds {t}, not text; name the text column with --field")
-
-
-def _open(path: Path, compression: str | None, raw) -> io.BufferedIOBase:
-    if compression == "gzip":
-        return gzip.GzipFile(fileobj=raw, mode="rb")
-    if compression == "zstd":
-        try:
-            from compression import zstd  # Python 3.14+
-
-            return zstd.ZstdFile(raw)
-        except ImportError:
-            pass
-        try:
-            import zstandard
-        except ImportError:
-            raise UserError(f"{path} is zstd-compressed; install zstandard (pip install zstandard) or give it "
-                            f"decompressed") from None
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw))
-    return raw
-
-
-def _documents(src: Source, column: str) -> Iterator[tuple[str, int]]:
-    """(text, bytes of the file read since the document before) for each document of `src`."""
-    if src.kind == "parquet":
-        yield from _parquet_documents(src, column)
-        return
-    with open(src.path, "rb") as raw:
-        try:
-            stream = _open(src.path, src.compression, raw)
-            if src.kind == "text":
-                text = stream.read().decode("utf-8", errors="replace")
-                if text:  # an empty file in a folder is no document (a named one was refused)
-                    yield text, src.size
-                return
-            yield from _jsonl_documents(src, column, stream, raw)
-        except UserError:
-            raise
-        except (EOFError, OSError, ValueError) as e:  # gzip.BadGzipFile, zlib.error, a truncated stream
-            what = f"is not valid {src.compression}" if src.compression else "could not be read"
-            raise UserError(f"{src.path} {what} ({e}); check the file") from None
-        except Exception as e:
-            if type(e).__name__ != "ZstdError":  # zstandard's own, not an OSError
-                raise
-            raise UserError(f"{src.path} is not valid zstd ({e}); check the file") from None
-
-
-def _jsonl_documents(src: Source, column: str, stream, raw) -> Iterator[tuple[str, int]]:
-    last = 0
-    for n, line in enumerate(stream, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
-            why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-            raise UserError(f"{src.path}, line {n}: not JSON ({why}); each line must be one JSON object with a "
-                            f"{column!r} string") from None
-        if not isinstance(obj, dict) or column not in obj:
-            has = f"its fields: {', '.join(obj)}" if isinstance(obj, dict) else f"it is a {type(obj).__name__}"
-            raise UserError(f"{src.path}, line {n}: no field {column!r} ({has}); name the text field with --field")
-        text = obj[column]
-        if not isinstance(text, str):
-            raise UserError(f"{src.path}, line {n}: field {column!r} is {json.dumps(text)[:40]}, not a string; "
-                            f"name the text field with --field")
-        pos = raw.tell()
-        yield text, pos - last
-        last = pos
-
-
-def _parquet_documents(src: Source, column: str) -> Iterator[tuple[str, int]]:
-    import pyarrow.parquet as pq
-
-    f = pq.ParquetFile(src.path)
-    total, done, row = max(f.metadata.num_rows, 1), 0, 0
-    for batch in f.iter_batches(batch_size=4096, columns=[column]):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if text is None:
-                raise UserError(f"{src.path}, row {row}: column {column!r} is null; drop such rows or fill them")
-            read = src.size * row // total - done
-            done += read
-            yield text, read
 
 
 @dataclass

@@ -115,7 +115,7 @@ def test_the_command_checks_its_destination_and_starts_hashing_before_importing_
 def test_pages_given_back_are_the_file_mappings_only_and_read_again_unchanged(tmp_path):
     """DeepSpeed rank files are read through mmap; each piece's pages are given back once copied
     (madvise), without re-opening the file. Memory not mapped from the file is never touched."""
-    from zerodp.convert.deepspeed_ckpt import drop_pages, file_mappings
+    from zerodp.convert.mapped import drop_pages, file_mappings
 
     def resident_kb(path) -> int:  # this process's resident memory mapped from `path`
         total, inside = 0, False

@@ -124,7 +124,7 @@ def test_lr_schedule_warmup_cosine_and_scaling():
 def test_every_field_is_documented():
     import inspect
 
-    import zerodp.config as c
+    import zerodp.config.schema as c
 
     src = inspect.getsource(c)
     for section in Config().to_dict().values():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import re
 import sys
@@ -259,24 +258,6 @@ def _set_nested(d: dict, keys: list[str], value: Any) -> None:
 
 def dump_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
-def lr_scale(cfg: Config) -> float:
-    o = cfg.optim
-    return cfg.train.global_batch_size / o.base_batch_size if o.scale_lr_with_batch else 1.0
-
-
-def lr_at(cfg: Config, step: int) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
-    o = cfg.optim
-    scale = lr_scale(cfg)
-    lr, min_lr = o.lr * scale, o.min_lr * scale
-    if step < o.warmup_steps:
-        return lr * (step + 1) / o.warmup_steps
-    decay = o.decay_steps if o.decay_steps is not None else max(1, cfg.train.max_steps - o.warmup_steps)
-    progress = min(1.0, (step - o.warmup_steps) / decay)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
-
 
 
 def set_and_resolved(given: dict[str, Any], cfg: Config) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:

@@ -15,6 +15,9 @@ from zerodp.errors import ConfigError
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "auto")
 ARCHS = ("gpt2", "llama")
 PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("cosine", "linear", "wsd")
+"""optim.schedule's names; zerodp.optim.schedules holds a function for each."""
+DECAY_SHAPES = ("linear", "1-sqrt")
 
 
 @dataclass
@@ -92,11 +95,19 @@ class OptimConfig:
     lr: float = 1e-3
     """Peak learning rate (after warmup)."""
     min_lr: float = 1e-4
-    """Learning rate at the end of the cosine decay."""
+    """Learning rate at the end of the decay."""
+    schedule: str = "cosine"
+    """cosine | linear | wsd: after the warmup, the lr falls to min_lr along half a cosine or a line over
+    decay_steps; wsd (warmup-stable-decay) holds lr, then decays over the last decay_fraction of the steps."""
     warmup_steps: int = 10
     """Linear warmup from 0 to lr over this many optimizer steps."""
     decay_steps: Optional[int] = None
-    """Steps of the cosine decay after warmup; default: train.max_steps - warmup_steps."""
+    """Steps after warmup until the lr reaches min_lr (wsd: its stable phase and decay together); default:
+    train.max_steps - warmup_steps. Set it when a run is trained in parts with different max_steps."""
+    decay_fraction: float = 0.2
+    """wsd: the fraction of the schedule's warmup_steps + decay_steps steps that its decay takes, at the end."""
+    decay_shape: str = "linear"
+    """wsd: the decay's shape, linear or 1-sqrt (lr falls with the square root of the decay's progress)."""
     weight_decay: float = 0.1
     """Decoupled weight decay, applied to matrices only (not biases, norms or embeddings)."""
     beta1: float = 0.9
@@ -288,6 +299,15 @@ class Config:
         _non_negative("optim.warmup_steps", o.warmup_steps)
         if o.decay_steps is not None:
             _positive("optim.decay_steps", o.decay_steps)
+        _one_of("optim.schedule", o.schedule, SCHEDULES)
+        _one_of("optim.decay_shape", o.decay_shape, DECAY_SHAPES)
+        if not 0.0 < o.decay_fraction <= 1.0:
+            raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1] (0.2 decays over the "
+                              f"last fifth of the steps)")
+        for key in ("decay_fraction", "decay_shape"):
+            if o.schedule != "wsd" and getattr(o, key) != getattr(OptimConfig, key):
+                raise ConfigError(f"optim.{key}={getattr(o, key)!r} applies to optim.schedule=wsd, not "
+                                  f"{o.schedule} (remove the key or set optim.schedule=wsd)")
         _non_negative("optim.weight_decay", o.weight_decay)
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(o, key) < 1.0:

@@ -161,10 +161,11 @@ def plain_worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from zerodp.config import load_config, lr_at
+    from zerodp.config import load_config
     from zerodp.data.batches import load_tokens
     from zerodp.models import build_model
     from zerodp.optim import adamw_kwargs, param_groups
+    from zerodp.optim.schedules import lr_at
 
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from zerodp.config import Config, lr_at
+from zerodp.config import Config
 from zerodp.data.batches import TokenBatches, load_tokens
 from zerodp.models import build_model
 from zerodp.optim import param_groups
+from zerodp.optim.schedules import lr_at
 
 WEIGHT_TOLERANCE = 5e-5
 """Largest |weight difference| from the reference after a few steps at the tiny config's lr of 1e-2

@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from zerodp.config import Config, lr_at, load_config
+from zerodp.config import Config, load_config
 from zerodp.errors import ConfigError
+from zerodp.optim.schedules import lr_at
 
 
 def write(tmp_path, text: str):
@@ -51,6 +52,15 @@ def test_yaml_exponent_without_dot_is_a_float(tmp_path):
     ("train: 5\n", r"section 'train' in .*c.yaml must be a mapping of keys, got 5"),
     ("data:\n  token_dtype: int8\n", r"data.token_dtype='int8' must be 'uint16' or 'uint32'"),
     ("checkpoint:\n  keep_last: 0\n", r"checkpoint.keep_last=0 must be positive"),
+    ("optim:\n  schedule: wsd2\n", r"^optim.schedule='wsd2' is not one of cosine \| linear \| wsd; did you mean 'wsd'\?$"),
+    ("optim:\n  schedule: wsd\n  decay_shape: sqrt\n",
+     r"^optim.decay_shape='sqrt' is not one of linear \| 1-sqrt; did you mean '1-sqrt'\?$"),
+    ("optim:\n  schedule: wsd\n  decay_fraction: 0\n",
+     r"^optim.decay_fraction=0.0 must be in \(0, 1\] \(0.2 decays over the last fifth of the steps\)$"),
+    ("optim:\n  decay_shape: 1-sqrt\n", r"^optim.decay_shape='1-sqrt' applies to optim.schedule=wsd, not cosine "
+                                        r"\(remove the key or set optim.schedule=wsd\)$"),
+    ("optim:\n  schedule: linear\n  decay_fraction: 0.1\n", r"^optim.decay_fraction=0.1 applies to "
+                                                             r"optim.schedule=wsd, not linear"),
 ])
 def test_config_errors(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
@@ -124,7 +134,7 @@ def test_lr_schedule_warmup_cosine_and_scaling():
 def test_every_field_is_documented():
     import inspect
 
-    import zerodp.config as c
+    import zerodp.config.schema as c
 
     src = inspect.getsource(c)
     for section in Config().to_dict().values():

@@ -1,18 +1,23 @@
-"""AdamW parameter groups and the learning-rate schedule, shared by every strategy.
+"""AdamW parameter groups and the learning-rate schedules (zerodp.optim.schedules), shared by every strategy.
 
 Weight decay applies to matrices (Linear weights) only. Biases and LayerNorm parameters are never
 decayed, and neither is the token/position embedding: decaying it pulls rare tokens' rows towards zero,
 and GPT-2's tied embedding doubles as the output layer (the choice of nanoGPT's successors and Llama
 recipes alike). With tied embeddings the shared tensor appears once.
 
-Layer: above config; strategies import it.
+Layer: above config; strategies import it. Torch appears in annotations only, so that the schedules
+import without it.
 """
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
-from zerodp.config import Config, lr_at  # noqa: F401  (lr_at re-exported: the schedule lives in config)
+from zerodp.config import Config
+from zerodp.optim.schedules import lr_at
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def param_groups(model: nn.Module, cfg: Config) -> list[dict]:

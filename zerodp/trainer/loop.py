@@ -17,7 +17,7 @@ from zerodp.checkpoint import store as checkpoint
 from zerodp.distributed import determinism
 from zerodp.telemetry import loggers
 from zerodp.telemetry.comm import CommMeter, PlanCheck
-from zerodp.config import Config, dump_yaml, lr_at
+from zerodp.config import Config, dump_yaml
 from zerodp.data.batches import TokenBatches, describe_prepared, load_tokens, prefetch, prepared_meta
 from zerodp.distributed.process_group import DistEnv, all_gather_floats, broadcast_object, init_distributed
 from zerodp.errors import PeerFailure, UserError
@@ -25,6 +25,7 @@ from zerodp.resilience.faults import (DeviceProbe, Heartbeat, PeerWatch, Preempt
                            compute_from_probe)
 from zerodp.telemetry.grad_noise import NoiseScale, advice, skip_reason
 from zerodp.models import build_model, compile_blocks, flops_per_token, param_count
+from zerodp.optim.schedules import lr_at
 from zerodp.trainer.sample import sample
 from zerodp.telemetry.step_metrics import Pending, Throughput, describe_run, fetch_interval, peak_flops
 from zerodp.trainer.start import plan_start

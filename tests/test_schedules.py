@@ -1,0 +1,115 @@
+"""The learning-rate schedules (zerodp.optim.schedules): each one's lr pinned at chosen steps, the
+registry covering config's names without torch, and a wsd run split mid-decay and resumed at another
+world size following the uninterrupted trajectory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerodp.config import SCHEDULES, load_config
+from zerodp.optim.schedules import REGISTRY, lr_at, wsd_decay
+
+# peak 1e-3, floor 1e-4, 10 warmup steps, 100 decay steps: the schedule spans steps 0..109
+BASE = ["optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=10", "train.max_steps=110"]
+
+
+def lrs(overrides: list[str], steps: list[int]) -> list[float]:
+    cfg = load_config(None, BASE + overrides)
+    return [lr_at(cfg, k) for k in steps]
+
+
+def test_warmup_is_shared():
+    # step k of the warmup: lr (k + 1) / warmup_steps, whatever the schedule
+    for name in SCHEDULES:
+        assert lrs([f"optim.schedule={name}"], [0, 4, 9]) == pytest.approx([1e-4, 5e-4, 1e-3]), name
+
+
+def test_cosine_is_the_default():
+    # decay progress 0, 0.25, 0.5, 1, past the end: 1e-4 + 0.5 (1 + cos(pi p)) 9e-4
+    steps = [10, 35, 60, 110, 500]
+    assert lrs([], steps) == pytest.approx([1e-3, 8.681981e-4, 5.5e-4, 1e-4, 1e-4])
+    assert lrs(["optim.schedule=cosine"], steps) == lrs([], steps)
+
+
+def test_linear():
+    assert lrs(["optim.schedule=linear"], [10, 35, 60, 109, 110, 500]) == pytest.approx(
+        [1e-3, 7.75e-4, 5.5e-4, 1.09e-4, 1e-4, 1e-4])
+
+
+def test_wsd_holds_then_decays_over_the_last_fraction():
+    # 110 steps, decay_fraction 0.2: the decay takes the last 22 steps, from step 88 on
+    assert wsd_decay(load_config(None, BASE + ["optim.schedule=wsd"])) == (88, 22)
+    steps = [10, 50, 87, 88, 99, 109, 110, 500]  # stable, stable, last stable, decay start, mid, last, end
+    assert lrs(["optim.schedule=wsd"], steps) == pytest.approx(
+        [1e-3, 1e-3, 1e-3, 1e-3, 5.5e-4, 1.409091e-4, 1e-4, 1e-4])
+    # 1-sqrt: 1e-4 + (1 - sqrt(p)) 9e-4, p = 11/22 at step 99, 21/22 at 109
+    assert lrs(["optim.schedule=wsd", "optim.decay_shape=1-sqrt"], steps) == pytest.approx(
+        [1e-3, 1e-3, 1e-3, 1e-3, 3.636039e-4, 1.206924e-4, 1e-4, 1e-4])
+    # decay_fraction 0.4 of 110: the last 44 steps, from step 66 on
+    assert lrs(["optim.schedule=wsd", "optim.decay_fraction=0.4"], [65, 66, 88]) == pytest.approx([1e-3, 1e-3, 5.5e-4])
+
+
+def test_wsd_decay_never_starts_in_the_warmup_and_follows_decay_steps():
+    # 12 steps, half of them decay: the decay would start at 6, inside the 10 warmup steps
+    assert wsd_decay(load_config(None, BASE + ["optim.schedule=wsd", "optim.decay_fraction=0.5",
+                                               "train.max_steps=12"])) == (10, 2)
+    # optim.decay_steps fixes the schedule whatever max_steps a part of the run has
+    fixed = ["optim.schedule=wsd", "optim.decay_steps=100"]
+    assert lrs(fixed + ["train.max_steps=90"], [87, 88, 99]) == lrs(fixed + ["train.max_steps=500"], [87, 88, 99])
+
+
+def test_batch_scaling_applies_to_every_schedule():
+    scaled = ["optim.scale_lr_with_batch=true", "optim.base_batch_size=8", "train.global_batch_size=32",
+              "train.micro_batch_size=8"]
+    for name in SCHEDULES:
+        assert lrs([f"optim.schedule={name}"] + scaled, [9, 110]) == pytest.approx([4e-3, 4e-4]), name
+
+
+def test_the_registry_covers_the_config_names_without_torch():
+    assert tuple(REGISTRY) == SCHEDULES == ("cosine", "linear", "wsd")
+    code = ("import sys\nimport zerodp.optim.schedules\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed'))\n"
+            "assert not bad, bad\nprint('ok')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+# -- a wsd run split mid-decay, resumed at another world size ------------------------------------------------------
+
+# 2 warmup + 6 steps (decay_steps fixed: the first part trains to max_steps=5); decay_fraction 0.5 of those 8:
+# steps 4..7 decay. The first part (single, 1 process) saves after step 4, the first decay step; the second
+# (ddp, 2 ranks, 3 accumulation steps each) resumes there.
+WSD = ["optim.schedule=wsd", "optim.decay_steps=6", "optim.decay_fraction=0.5", "optim.decay_shape=1-sqrt",
+       "train.max_steps=8"]
+SPLIT = 5
+
+
+def test_wsd_trains_and_resumes_mid_decay_at_another_world_size(tiny, tmp_path):
+    from tests.harness import run_distributed
+    from tests.reference import WEIGHT_TOLERANCE, reference_run
+
+    over = tiny + WSD + [f"train.out_dir={tmp_path / 'run'}"]
+    cfg = load_config(None, over)
+    assert wsd_decay(cfg) == (4, 4)
+    ref_losses, ref_weights = reference_run(cfg)  # uninterrupted: one process, plain AdamW, the global batch
+    (first,) = run_distributed("tests.workers:train_runs", 1, {"runs": [
+        {"overrides": over + ["strategy.name=single", f"train.max_steps={SPLIT}"]}]})[0]
+    (resumed,) = run_distributed("tests.workers:train_runs", 2, {"runs": [
+        {"overrides": over + ["strategy.name=ddp"], "fresh": False}]})[0]
+    assert first["strategy"] == "single" and resumed["strategy"] == "ddp"
+    assert len(first["losses"]) == SPLIT and len(resumed["losses"]) == 8 - SPLIT
+    loss_diff = max(abs(a - b) for a, b in zip(first["losses"] + resumed["losses"], ref_losses))
+    weight_diff = max((resumed["weights"][k] - ref_weights[k]).abs().max().item() for k in ref_weights)
+    assert loss_diff < 1e-5 and weight_diff < WEIGHT_TOLERANCE, (loss_diff, weight_diff)
+    # the lr each step trained at (metrics.jsonl's step k + 1 is step k): warmup, stable, the 1-sqrt decay
+    # from 1e-2 to 1e-3 over steps 4..7 (progress 0, 1/4, 1/2, 3/4), across the resume
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["lr"] for r in records] == pytest.approx(
+        [5e-3, 1e-2, 1e-2, 1e-2, 1e-2, 5.5e-3, 3.636039e-3, 2.205771e-3], rel=1e-6)

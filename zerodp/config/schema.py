@@ -1,0 +1,373 @@
+"""The config's schema: its typed sections, every field documented where it is declared (the text
+`zerodp config` prints, zerodp.config.docs), and `Config.validate()`, which checks the values that do
+not depend on the world size (`check_batch_split()` the ones that do). Torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from zerodp.config.checks import _divisor_near, _non_negative, _one_of, _positive, batch_split, zeropp_refusal
+from zerodp.errors import ConfigError
+
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "auto")
+ARCHS = ("gpt2", "llama")
+PRECISIONS = ("fp32", "bf16", "fp16")
+SCHEDULES = ("cosine", "linear", "wsd")
+"""optim.schedule's names; zerodp.optim.schedules holds a function for each."""
+DECAY_SHAPES = ("linear", "1-sqrt")
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt2"
+    """gpt2 (learned positions, LayerNorm, GELU) or llama (Llama 2/3, Mistral, Qwen2: rotary positions,
+    RMSNorm, SwiGLU, grouped-query attention). See docs/models.md."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide n_embd."""
+    n_kv_head: Optional[int] = None
+    """llama: key/value heads (grouped-query attention), a divisor of n_head; null: n_head."""
+    head_dim: Optional[int] = None
+    """llama: width of one attention head; null: n_embd / n_head."""
+    n_embd: int = 128
+    """Hidden width."""
+    intermediate_size: Optional[int] = None
+    """Width of the MLP's inner layer; null: 4 x n_embd (gpt2), or 8/3 x n_embd rounded up to a multiple
+    of 256 (llama)."""
+    vocab_size: int = 256
+    """Vocabulary size. 256 covers the built-in byte-level tokenizer; GPT-2 uses 50257. Left unset (in
+    neither the YAML nor an override, no hf_config) with a `zerodp prepare` folder as data.source: its
+    meta.json vocab_size, the tokenizer's; a value written is kept, and one below that is an error."""
+    block_size: int = 128
+    """Context length, and the sequence length every training sample has."""
+    bias: Optional[bool] = None
+    """gpt2: biases in Linear and LayerNorm layers, as in GPT-2; null: true for gpt2, false for llama
+    (which has none; see qkv_bias)."""
+    qkv_bias: bool = False
+    """llama: biases on the q, k and v projections (Qwen2)."""
+    tie_embeddings: Optional[bool] = None
+    """The output head shares the token embedding's weight; null: true for gpt2, false for llama."""
+    norm_eps: float = 1e-5
+    """Epsilon of LayerNorm (gpt2) or RMSNorm (llama)."""
+    rope_theta: float = 10000.0
+    """llama: base of the rotary position embedding's frequencies (Llama 3: 500000)."""
+    rope_scaling: dict = field(default_factory=dict)
+    """llama: Llama 3.1's rope scaling, as in config.json (rope_type llama3, factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings); empty: none."""
+    hf_config: Optional[str] = None
+    """A Hugging Face config.json (or the model folder holding one) that sets arch and every dimension;
+    a model key given as well must agree with it."""
+    dropout: float = 0.0
+    """Dropout probability. 0 keeps runs at different world sizes bit-comparable."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass instead of storing them."""
+    init_from: Optional[str] = None
+    """Start from these weights (safetensors file, Hugging Face model folder or convertible checkpoint)
+    instead of random init; checked against this model section before the run starts."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "builtin"
+    """'builtin' (the Python standard library's source, byte-level), a text file, a folder of text
+    files, a pre-tokenized token file (.bin, nanoGPT layout), or a `zerodp prepare` folder (train.bin,
+    val.bin and meta.json: dtype, vocabulary and tokenizer come from meta.json; docs/data.md)."""
+    token_dtype: str = "uint16"
+    """Element type of a pre-tokenized .bin file: uint16 or uint32 (a prepare folder says its own)."""
+    val_fraction: float = 0.05
+    """Fraction of the tokens held out for validation (taken from the end of the stream; a prepare
+    folder has its own val.bin)."""
+    cache_dir: Optional[str] = None
+    """Where tokenized data is cached as a memory-mapped file; default ~/.cache/zerodp."""
+    max_bytes: int = 4_000_000
+    """Bytes of the built-in corpus read (its first files up to this many; keeps the demo fast). A text
+    file or folder of your own is always read whole; what was read is printed when training starts."""
+    prefetch: int = 2
+    """Global batches prepared ahead of the training step by a background thread."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate (after warmup)."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the decay."""
+    schedule: str = "cosine"
+    """cosine | linear | wsd: after the warmup, the lr falls to min_lr along half a cosine or a line over
+    decay_steps; wsd (warmup-stable-decay) holds lr, then decays over the last decay_fraction of the steps."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to lr over this many optimizer steps."""
+    decay_steps: Optional[int] = None
+    """Steps after warmup until the lr reaches min_lr (wsd: its stable phase and decay together); default:
+    train.max_steps - warmup_steps. Set it when a run is trained in parts with different max_steps."""
+    decay_fraction: float = 0.2
+    """wsd: the fraction of the schedule's warmup_steps + decay_steps steps that its decay takes, at the end."""
+    decay_shape: str = "linear"
+    """wsd: the decay's shape, linear or 1-sqrt (lr falls with the square root of the decay's progress)."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not biases, norms or embeddings)."""
+    beta1: float = 0.9
+    """AdamW's decay rate of the first moment (the gradient's running mean)."""
+    beta2: float = 0.95
+    """AdamW's decay rate of the second moment (the squared gradient's running mean)."""
+    eps: float = 1e-8
+    """Added to the root of the second moment in AdamW's denominator."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+    scale_lr_with_batch: bool = False
+    """Scale lr and min_lr linearly by global_batch_size / base_batch_size."""
+    base_batch_size: int = 32
+    """Reference global batch for the linear lr scaling."""
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: int = 16
+    """Sequences per optimizer step, summed over all ranks and accumulation steps."""
+    micro_batch_size: typing.Union[int, str] = 8
+    """Sequences per rank per forward/backward pass, or 'auto': at launch the planner picks the divisor of
+    global_batch_size / world_size with the highest predicted tokens/s that fits the device, with
+    activation checkpointing on only if that is faster or needed (zerodp plan --global-batch)."""
+    max_steps: int = 100
+    """Optimizer steps to train for."""
+    seed: int = 1337
+    """Seeds initialisation and the data order; the batch of step k depends on (seed, k) only."""
+    precision: str = "fp32"
+    """fp32, bf16 or fp16 (mixed precision with fp32 master weights)."""
+    deterministic: bool = False
+    """CUDA: deterministic kernels only (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8,
+    cuDNN deterministic), so a repeated or resumed run reproduces the bits; costs speed (attention
+    backward without split-key parallelism, no cuDNN attention). CPU runs are bit-reproducible without it."""
+    compile: bool = False
+    """torch.compile each transformer block (in place: names, checkpoints and the strategy unchanged).
+    Costs a compilation at the first steps (and for the end-of-run sample); then fused kernels run each
+    block faster with fewer saved activations. Needs a C++ compiler on the CPU, Triton on CUDA."""
+    out_dir: str = "runs/tiny"
+    """Run directory: resolved config, metrics.jsonl, checkpoints."""
+    eval_every: int = 50
+    """Validate every this many steps (and at the end); 0 disables validation."""
+    eval_batches: int = 4
+    """Micro batches per rank used for one validation."""
+    progress: bool = True
+    """Show a live progress bar on rank 0; false prints one line every log_every steps instead."""
+    log_every: int = 10
+    """The host-sync interval: loss, grad norm and the per-rank timings stay on the device and are fetched
+    (and exchanged between ranks, with any preemption request) once every this many steps, and at every
+    checkpoint, validation and the last step; metrics.jsonl still gets every step's line. Without a
+    progress bar (train.progress=false) a console line is printed at each of these steps too."""
+    tensorboard: bool = False
+    """Write every scalar of metrics.jsonl to <out_dir>/tensorboard (pip install 'zerodp[tensorboard]')."""
+    wandb: str = ""
+    """A Weights & Biases project to log every scalar of metrics.jsonl to (pip install 'zerodp[wandb]');
+    empty: off. WANDB_MODE=offline keeps the run in <out_dir>/wandb."""
+    peak_tflops: float = 0.0
+    """One device's peak TFLOP/s for the MFU figure; 0: the planner's table for the CUDA device and
+    train.precision (no MFU on a CPU or an unknown device)."""
+    sample_tokens: int = 200
+    """Tokens generated from the final model and printed at the end; 0 disables."""
+    device: str = "auto"
+    """'auto' (CUDA when available, else CPU), 'cpu' or 'cuda'."""
+    preempt_grace_s: float = 120.0
+    """After SIGTERM/SIGUSR1: finish the step, save and exit within this many seconds, else exit hard."""
+    straggler_margin: float = 0.2
+    """A rank whose step takes this fraction longer than the median of the other ranks' is slow..."""
+    straggler_patience: int = 5
+    """...and is reported as a straggler (once per slow spell) after this many consecutive slow steps."""
+    measure_comm: bool = True
+    """Count the bytes each step hands to collectives (`comm_bytes` in metrics.jsonl) and compare them
+    with the planner's prediction at the end (zerodp/comm.py); false counts nothing."""
+    grad_noise_scale: bool = True
+    """Estimate the gradient noise scale, the critical batch (`grad_noise_scale` in metrics.jsonl, in
+    sequences and tokens, and a line in the run summary; docs/grad_noise.md): from each micro batch's own
+    gradient norm, taken before the reduction, and the reduced one. Costs one norm per parameter per micro
+    batch; false takes none. Needs two batch sizes: skipped on one process without accumulation."""
+    grad_noise_ema: float = 0.99
+    """Decay of the exponential moving averages that smooth the estimate over steps (0.99: about the
+    last 100 steps); in [0, 1), 0 reports each step's own, very noisy, estimate."""
+
+
+@dataclass
+class StrategyConfig:
+    name: str = "auto"
+    """single | ddp | zero1 | zero2 | zero3 | fsdp | auto."""
+    bucket_size_mb: int = 25
+    """Gradient bucket size for DDP and the DeepSpeed reduce/allgather buckets, in MB."""
+    overlap_comm: bool = True
+    """DeepSpeed: overlap gradient reduction with the backward pass."""
+    contiguous_gradients: bool = True
+    """DeepSpeed: copy gradients into one contiguous buffer as they are produced."""
+    offload_optimizer: bool = False
+    """Keep optimizer state (and the fp32 master weights) in CPU memory (zero1-3, fsdp)."""
+    offload_params: bool = False
+    """Keep parameters in CPU memory between uses (zero3, fsdp)."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered parameters after forward (ZeRO-3-like); false keeps them (ZeRO-2-like)."""
+    fsdp_defer_grad_reduce: bool = False
+    """FSDP with gradient accumulation: keep full fp32 gradients between micro batches and
+    reduce-scatter once per step (less traffic, but 4P bytes per rank that sharding does not divide);
+    false reduce-scatters every micro batch, as ZeRO-2/3 do."""
+    hybrid_shard: bool = False
+    """FSDP: shard within groups of shard_group_size ranks (a node), replicate across groups (HSDP)."""
+    shard_group_size: int = 0
+    """FSDP hybrid sharding: ranks per shard group; 0 means the ranks of one node (LOCAL_WORLD_SIZE)."""
+    timeout_s: int = 600
+    """Collective timeout: a rank that waits longer than this for its peers stops with an error."""
+    deepspeed: dict = field(default_factory=dict)
+    """Extra DeepSpeed config keys; they override the generated ones unless they contradict zerodp."""
+    hpz_partition_size: int = 1
+    """zero3, ZeRO++ hpZ (DeepSpeed's zero_hpz_partition_size): ranks holding a secondary copy of the
+    parameters, so that the all-gathers of backward stay inside a node; 1 = off, 0 = the ranks of one
+    node (LOCAL_WORLD_SIZE). Needs more than one node. See docs/strategies.md, "ZeRO++"."""
+    quantized_weights: bool = False
+    """zero3, ZeRO++ qwZ (DeepSpeed's zero_quantized_weights): all-gather the parameters in int8 (GPUs only)."""
+    quantized_gradients: bool = False
+    """zero3, ZeRO++ qgZ (DeepSpeed's zero_quantized_gradients): reduce-scatter the gradients in int4
+    through all-to-all (GPUs only)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 50
+    """Save every this many optimizer steps (and always at the end); 0 saves only at the end."""
+    keep_last: int = 3
+    """Intact checkpoints kept on disk; older ones are deleted after a newer one is complete. A damaged
+    checkpoint does not count: it is set aside (renamed `*.damaged`), never deleted."""
+    resume: bool = True
+    """Resume from the newest checkpoint in out_dir when one exists (`--fresh` sets false)."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "Config":
+        """Check every value that does not depend on the world size; return self."""
+        m, t, o, s, c, d = self.model, self.train, self.optim, self.strategy, self.checkpoint, self.data
+        _positive("model.n_layer", m.n_layer)
+        _positive("model.n_head", m.n_head)
+        _positive("model.n_embd", m.n_embd)
+        _positive("model.vocab_size", m.vocab_size)
+        _positive("model.block_size", m.block_size)
+        _one_of("model.arch", m.arch, ARCHS)
+        if m.arch == "gpt2":
+            for key, value, default in (("n_kv_head", m.n_kv_head, m.n_head), ("head_dim", m.head_dim, None),
+                                        ("qkv_bias", m.qkv_bias, False), ("rope_scaling", m.rope_scaling, {})):
+                if value not in (default, None) and value != default:
+                    raise ConfigError(f"model.{key}={value!r} applies to model.arch=llama; gpt2 has none "
+                                      f"(remove the key or set model.arch=llama)")
+        elif m.bias:
+            raise ConfigError("model.bias=true applies to gpt2; llama has no biases (Qwen2's q/k/v biases: "
+                              "model.qkv_bias=true)")
+        if m.n_kv_head is not None and (m.n_kv_head <= 0 or m.n_head % m.n_kv_head):
+            raise ConfigError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}; "
+                              f"choose one of {[d for d in range(1, m.n_head + 1) if m.n_head % d == 0]}")
+        if m.head_dim is not None:
+            _positive("model.head_dim", m.head_dim)
+        if m.intermediate_size is not None:
+            _positive("model.intermediate_size", m.intermediate_size)
+        _positive("model.norm_eps", m.norm_eps)
+        _positive("model.rope_theta", m.rope_theta)
+        if m.n_embd % m.n_head and m.head_dim is None:
+            raise ConfigError(
+                f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
+                f"choose n_head among the divisors of n_embd (e.g. {_divisor_near(m.n_embd, m.n_head)})"
+            )
+        if not 0.0 <= m.dropout < 1.0:
+            raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+        if d.token_dtype not in ("uint16", "uint32"):
+            raise ConfigError(f"data.token_dtype={d.token_dtype!r} must be 'uint16' or 'uint32'")
+        if not 0.0 < d.val_fraction < 0.5:
+            raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
+        _positive("data.max_bytes", d.max_bytes)
+        _non_negative("data.prefetch", d.prefetch)
+        _positive("optim.lr", o.lr, hint="a learning rate such as 3e-4")
+        _non_negative("optim.min_lr", o.min_lr)
+        if o.min_lr > o.lr:
+            raise ConfigError(f"optim.min_lr={o.min_lr} is above optim.lr={o.lr}; set min_lr <= lr")
+        _non_negative("optim.warmup_steps", o.warmup_steps)
+        if o.decay_steps is not None:
+            _positive("optim.decay_steps", o.decay_steps)
+        _one_of("optim.schedule", o.schedule, SCHEDULES)
+        _one_of("optim.decay_shape", o.decay_shape, DECAY_SHAPES)
+        if not 0.0 < o.decay_fraction <= 1.0:
+            raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1] (0.2 decays over the "
+                              f"last fifth of the steps)")
+        for key in ("decay_fraction", "decay_shape"):
+            if o.schedule != "wsd" and getattr(o, key) != getattr(OptimConfig, key):
+                raise ConfigError(f"optim.{key}={getattr(o, key)!r} applies to optim.schedule=wsd, not "
+                                  f"{o.schedule} (remove the key or set optim.schedule=wsd)")
+        _non_negative("optim.weight_decay", o.weight_decay)
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(o, key) < 1.0:
+                raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1)")
+        _positive("optim.eps", o.eps)
+        _non_negative("optim.grad_clip", o.grad_clip, hint="0 disables clipping")
+        _positive("optim.base_batch_size", o.base_batch_size)
+        _positive("train.global_batch_size", t.global_batch_size)
+        if t.micro_batch_size != "auto":
+            _positive("train.micro_batch_size", t.micro_batch_size)
+        if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+                f"train.micro_batch_size={t.micro_batch_size}; make the global batch "
+                f"micro_batch_size x world_size x grad_accum_steps"
+            )
+        _positive("train.max_steps", t.max_steps)
+        _non_negative("train.seed", t.seed)
+        _one_of("train.precision", t.precision, PRECISIONS)
+        _one_of("train.device", t.device, ("auto", "cpu", "cuda"))
+        _non_negative("train.eval_every", t.eval_every)
+        _positive("train.eval_batches", t.eval_batches)
+        _positive("train.log_every", t.log_every)
+        _non_negative("train.peak_tflops", t.peak_tflops)
+        _non_negative("train.sample_tokens", t.sample_tokens)
+        _positive("train.preempt_grace_s", t.preempt_grace_s)
+        _positive("train.straggler_margin", t.straggler_margin)
+        _positive("train.straggler_patience", t.straggler_patience)
+        if not 0.0 <= t.grad_noise_ema < 1.0:
+            raise ConfigError(f"train.grad_noise_ema={t.grad_noise_ema} must be in [0, 1) (0.99 averages about "
+                              f"the last 100 steps)")
+        if not t.out_dir:
+            raise ConfigError("train.out_dir is empty; set it to the run directory, e.g. runs/my_run")
+        _one_of("strategy.name", s.name, STRATEGIES)
+        _positive("strategy.bucket_size_mb", s.bucket_size_mb)
+        _positive("strategy.timeout_s", s.timeout_s)
+        _non_negative("strategy.shard_group_size", s.shard_group_size)
+        _non_negative("strategy.hpz_partition_size", s.hpz_partition_size,
+                      hint="1 turns hpZ off, 0 takes the ranks of one node")
+        if refusal := zeropp_refusal(s, s.name):
+            raise ConfigError(refusal)
+        _non_negative("checkpoint.every", c.every)
+        _positive("checkpoint.keep_last", c.keep_last)
+        return self
+
+    def check_batch_split(self, world_size: int) -> int:
+        """Return gradient accumulation steps for this world size, or explain why the split fails.
+        train.micro_batch_size=auto must be resolved first (zerodp.trainer.loop.resolve_strategy)."""
+        assert self.train.micro_batch_size != "auto", "resolve train.micro_batch_size=auto before splitting"
+        return batch_split(self.train.global_batch_size, self.train.micro_batch_size, world_size)
+
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {name: hints[name] for name in _SECTIONS}
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)

@@ -29,7 +29,7 @@ LAYERS = [
 ]
 TORCH_FREE = ["zerodp.config", "zerodp.config.sources", "zerodp.planner", "zerodp.planner.cli", "zerodp.models.arch",
               "zerodp.models.hf", "zerodp.checkpoint.manifest", "zerodp.checkpoint.safe_output", "zerodp.cli",
-              "zerodp.data.prepare", "zerodp.telemetry.grad_noise"]
+              "zerodp.data.prepare", "zerodp.telemetry.grad_noise", "zerodp.optim.schedules"]
 
 
 def group_of(module: str) -> str:

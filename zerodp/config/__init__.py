@@ -5,7 +5,7 @@ config instantly. Every field is documented where it is declared; `validate()` c
 do not depend on the world size, `check_batch_split()` the ones that do.
 
 Layer: above errors and the model specs (zerodp.models, whose Hugging Face config.json reader it
-uses) and nothing else; torch-free. Every other layer may import it.
+uses), beside the strategy catalog (zerodp.strategies.catalog), and nothing else; torch-free. Every other layer may import it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any, Optional
 import yaml
 
 from zerodp.errors import ConfigError, UserError
+from zerodp.strategies.catalog import CATALOG
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "auto")
+STRATEGIES = (*CATALOG, "auto")
 ARCHS = ("gpt2", "llama")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -365,7 +366,7 @@ def zeropp_refusal(s: StrategyConfig, name: str) -> str | None:
     planner never chooses ZeRO++ (its quantisation changes the numerics), so the settings would be
     ignored whenever it chose another strategy."""
     on = zeropp_settings(s)
-    if not on or name == "zero3":
+    if not on or (name in CATALOG and CATALOG[name].zeropp):
         return None
     which = "strategy.name=auto never chooses it" if name == "auto" else f"not {name}'s"
     return (f"{', '.join(on)}: ZeRO++ is DeepSpeed ZeRO-3's, {which}; set strategy.name=zero3 "

@@ -93,3 +93,16 @@ def test_the_planner_rows_follow_the_catalog():
     one = Cluster(gpu=gpu_preset("h100"), gpus_per_node=1, nodes=1)
     assert [x.name for x in layouts(one, Workload())][:2] == ["single", "zero1"]
     assert [s.name for s in planned()] == ["ddp", "zero1", "zero2", "fsdp", "zero3"]
+
+
+def test_a_single_process_strategy_refuses_a_process_group():
+    import torch
+
+    from zerodp.trainer.loop import resolve_strategy
+
+    one = [name for name, s in CATALOG.items() if s.single_process]
+    assert one == ["single"]
+    with pytest.raises(UserError, match="strategy.name=single cannot run on 2 processes; use ddp"):
+        resolve_strategy(load_config(None, ["strategy.name=single"]), 2, torch.device("cpu"))
+    cfg = load_config(None, ["strategy.name=single", "train.micro_batch_size=1"])
+    assert resolve_strategy(cfg, 1, torch.device("cpu")) == (cfg, None)

@@ -5,7 +5,8 @@ config instantly. Every field is documented where it is declared; `validate()` c
 do not depend on the world size, `check_batch_split()` the ones that do.
 
 Layer: above errors and the model specs (zerodp.models, whose Hugging Face config.json reader it
-uses), beside the strategy catalog (zerodp.strategies.catalog), and nothing else; torch-free. Every other layer may import it.
+uses) and the strategy catalog (zerodp.strategies.catalog), and nothing else; torch-free. Every other
+layer may import it.
 """
 
 from __future__ import annotations

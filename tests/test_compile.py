@@ -9,8 +9,9 @@ from __future__ import annotations
 from tests.harness import run_distributed
 from tests.reference import reference_run
 from zerodp.config import load_config
+from zerodp.strategies.catalog import CATALOG
 
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+STRATEGIES = [name for name, s in CATALOG.items() if not s.single_process]
 MICRO, WORLD, STEPS = 2, 2, 3
 COMPILE_TOLERANCE = 1e-5
 

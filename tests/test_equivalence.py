@@ -33,9 +33,10 @@ import torch
 from tests.harness import run_distributed
 from tests.reference import LLAMA, reference_run
 from zerodp.config import load_config
+from zerodp.strategies.catalog import CATALOG
 from zerodp.trainer.loop import resolve_strategy
 
-STRATEGIES = ["ddp", "zero1", "zero2", "zero3", "fsdp"]
+STRATEGIES = [name for name, s in CATALOG.items() if not s.single_process]
 MODELS = {"gpt2": [], "llama": LLAMA}
 MICRO, STEPS = 2, 8
 TOLERANCE = 1e-5

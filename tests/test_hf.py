@@ -28,11 +28,12 @@ from zerodp.data.batches import TokenBatches, load_tokens
 from zerodp.errors import ConfigError, UserError
 from zerodp.models import arch_of, build_model, param_shapes
 from zerodp.models.hf import TRANSPOSE, from_hf, hf_config_from_model, model_config_from_hf, to_hf
+from zerodp.strategies.catalog import CATALOG
 from zerodp.trainer.start import plan_start
 
 TOL = 1e-5
 SEQ, VOCAB = 32, 256  # TINY's block_size and the byte-level vocabulary, so imported models train on its data
-STRATEGIES = {"single": 1, "ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "fsdp": 2}
+STRATEGIES = {name: 1 if s.single_process else 2 for name, s in CATALOG.items()}  # name -> world size
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
 

@@ -20,7 +20,8 @@ LAYERS = [
     ["zerodp.distributed", "zerodp.checkpoint.manifest", "zerodp.checkpoint.safe_output",
      "zerodp.telemetry.grad_noise"],  # runtime; the torch-free storage primitives; the noise-scale math
     ["zerodp.models"],  # specs (torch-free) and modules
-    ["zerodp.config"],  # the schema; reads model specs and Hugging Face config.json files
+    ["zerodp.config", "zerodp.strategies.catalog"],  # the schema (reads model specs and Hugging Face config.json
+    # files); the strategies' catalog, which validation, the planner and the registry read
     ["zerodp.data", "zerodp.optim", "zerodp.convert", "zerodp.planner", "zerodp.resilience"],
     ["zerodp.telemetry", "zerodp.checkpoint"],  # measurement; training's save/load (reshards through convert)
     ["zerodp.strategies"],
@@ -29,7 +30,8 @@ LAYERS = [
 ]
 TORCH_FREE = ["zerodp.config", "zerodp.config.sources", "zerodp.planner", "zerodp.planner.cli", "zerodp.models.arch",
               "zerodp.models.hf", "zerodp.checkpoint.manifest", "zerodp.checkpoint.safe_output", "zerodp.cli",
-              "zerodp.data.prepare", "zerodp.telemetry.grad_noise", "zerodp.optim.schedules"]
+              "zerodp.data.prepare", "zerodp.telemetry.grad_noise", "zerodp.optim.schedules",
+              "zerodp.strategies.catalog"]
 
 
 def group_of(module: str) -> str:

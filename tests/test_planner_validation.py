@@ -16,9 +16,10 @@ import torch
 
 from tests.harness import run_distributed
 from zerodp.config import load_config
+from zerodp.strategies.catalog import CATALOG
 
 WORLD = 2
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+STRATEGIES = tuple(name for name, s in CATALOG.items() if not s.single_process)
 PRECISIONS = ("bf16", "fp32")
 TOLERANCE = 0.05
 MODEL = [

@@ -6,8 +6,9 @@ and their validation), checks (the batch split and the other checks that other l
 (YAML, overrides, the Hugging Face config.json merge, what the user set), docs (`zerodp config`'s
 text) and sources (what a data.source folder holds). Every name is imported from here.
 
-Layer: above errors and the model specs (zerodp.models, whose Hugging Face config.json reader it
-uses) and nothing else; torch-free. Every other layer may import it.
+Layer: above errors, the model specs (zerodp.models, whose Hugging Face config.json reader it uses)
+and the strategy catalog (zerodp.strategies.catalog), and nothing else; torch-free. Every other layer
+may import it.
 """
 
 from zerodp.config.checks import batch_split, zeropp_refusal, zeropp_settings

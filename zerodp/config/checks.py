@@ -8,6 +8,7 @@ import difflib
 import typing
 
 from zerodp.errors import ConfigError
+from zerodp.strategies.catalog import CATALOG
 
 if typing.TYPE_CHECKING:
     from zerodp.config.schema import StrategyConfig
@@ -25,7 +26,7 @@ def zeropp_refusal(s: StrategyConfig, name: str) -> str | None:
     planner never chooses ZeRO++ (its quantisation changes the numerics), so the settings would be
     ignored whenever it chose another strategy."""
     on = zeropp_settings(s)
-    if not on or name == "zero3":
+    if not on or (name in CATALOG and CATALOG[name].zeropp):
         return None
     which = "strategy.name=auto never chooses it" if name == "auto" else f"not {name}'s"
     return (f"{', '.join(on)}: ZeRO++ is DeepSpeed ZeRO-3's, {which}; set strategy.name=zero3 "

@@ -9,10 +9,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from zerodp.strategies.catalog import CATALOG
 from zerodp.config.checks import _divisor_near, _non_negative, _one_of, _positive, batch_split, zeropp_refusal
 from zerodp.errors import ConfigError
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "auto")
+STRATEGIES = (*CATALOG, "auto")  # zerodp.strategies.catalog: the one list of strategies
 ARCHS = ("gpt2", "llama")
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "wsd")

@@ -22,6 +22,7 @@ from zerodp.planner.models import ModelSpec
 from zerodp.planner.reasons import reasons, suggest
 from zerodp.planner.rows import TIE, divisors, pick, row, search
 from zerodp.planner.rows import layouts as all_layouts
+from zerodp.strategies.catalog import spec
 
 __all__ = ["Plan", "TIE", "check_global_batch", "choose", "pick"]
 
@@ -120,7 +121,7 @@ def choose(model: ModelSpec, cluster: Cluster, workload: Workload,
         activation_checkpointing=bool(chosen.activation_checkpointing if chosen else activation_checkpointing),
         estimates=estimates, reasons=[], model=model, cluster=cluster, workload=workload,
         requested_checkpointing=activation_checkpointing,
-        hybrid=bool(chosen and chosen.name in ("fsdp+hybrid", "zero3+zero++")),
+        hybrid=bool(chosen and chosen.name == spec(chosen.strategy).hybrid_row),
         global_batch=global_batch, search=searched, exact_only=exact_only,
     )
     plan.reasons = reasons(plan, chosen)

@@ -1,7 +1,8 @@
 """The memory and time model: `estimate(model, layout) -> MemoryEstimate` for one strategy.
 
 Every formula, with its source, is in docs/memory_model.md. Pure arithmetic: no process group,
-no GPU, no torch.
+no GPU, no torch. Which formula applies is read from the strategy's profile in the catalog
+(zerodp/strategies/catalog.py), never from its name.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from zerodp.planner.hardware import Cluster
 from zerodp.planner.models import ModelSpec
 from zerodp.planner.traffic import collective_seconds, collectives, inter_node_sent
 from zerodp.planner.units import COMPUTE_BYTES
+from zerodp.strategies.catalog import STATES, StrategySpec, spec
 
-STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp")
 MARGIN = 0.10
 """Fraction of device memory kept free: allocator fragmentation, temporaries the model ignores."""
 CUDA_OVERHEAD = 2**30
@@ -77,9 +78,14 @@ class Layout:
     """...the int4 gradient reduction."""
 
     @property
+    def spec(self) -> StrategySpec:
+        """The strategy's entry in the catalog."""
+        return spec(self.strategy)
+
+    @property
     def zeropp(self) -> tuple[bool, bool, bool]:
         """(hpZ, qwZ, qgZ) as this row runs them: all three for the zero3+zero++ row."""
-        if self.strategy != "zero3":
+        if not self.spec.zeropp:
             return False, False, False
         return self.hpz or self.hybrid, self.qwz or self.hybrid, self.qgz or self.hybrid
 
@@ -87,12 +93,12 @@ class Layout:
     def name(self) -> str:
         """The row name: 'zero2', 'zero3+offload_optimizer+offload_params', 'fsdp+offload', 'fsdp+hybrid',
         'zero3+zero++' (or 'zero3+hpz+qwz' for some of it)."""
-        if self.hybrid:
-            return "fsdp+hybrid" if self.strategy == "fsdp" else "zero3+zero++"
+        if self.hybrid and self.spec.hybrid_row:
+            return self.spec.hybrid_row
         if any(self.zeropp):
-            return "+".join(["zero3"] + [k for k, on in zip(("hpz", "qwz", "qgz"), self.zeropp) if on])
-        if self.strategy == "fsdp" and (self.offload_optimizer or self.offload_params):
-            return "fsdp+offload"  # FSDP's CPUOffloadPolicy moves parameters, gradients and optimizer
+            return "+".join([self.strategy] + [k for k, on in zip(("hpz", "qwz", "qgz"), self.zeropp) if on])
+        if self.spec.offload_together and (self.offload_optimizer or self.offload_params):
+            return f"{self.strategy}+offload"  # FSDP's CPUOffloadPolicy moves parameters, gradients and optimizer
         parts = [self.strategy]
         parts += ["offload_optimizer"] if self.offload_optimizer else []
         parts += ["offload_params"] if self.offload_params else []
@@ -175,17 +181,15 @@ def model_states(params: int, world_size: int, strategy: str, precision: str) ->
     """(params, grads, optimizer) bytes per GPU, the ZeRO paper's accounting. Mixed precision:
     2-byte params and grads, K=12 optimizer bytes (fp32 master, Adam m and v); fp32: 4, 4, 8.
     A sharded figure is for the largest shard, ceil(P/N) elements."""
-    p, g, o = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
-    shard = lambda nbytes: nbytes * math.ceil(params / world_size)  # noqa: E731
-    if strategy in ("single", "ddp"):
-        return p * params, g * params, o * params
-    if strategy == "zero1":
-        return p * params, g * params, shard(o)
-    if strategy == "zero2":
-        return p * params, shard(g), shard(o)
-    if strategy in ("zero3", "fsdp"):
-        return shard(p), shard(g), shard(o)
-    raise ValueError(f"unknown strategy {strategy!r}")
+    return _per_gpu(params, world_size, spec(strategy), (4, 4, 8) if precision == "fp32" else (2, 2, 12))
+
+
+def _per_gpu(params: int, world_size: int, s: StrategySpec, nbytes: tuple[int, int, int]) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes per GPU at `nbytes` per element of each: the whole on every GPU, or
+    ceil(P/N) elements for the states `s` shards."""
+    shard = math.ceil(params / world_size)
+    p, g, o = ((shard if state in s.shards else params) * b for state, b in zip(STATES, nbytes))
+    return p, g, o
 
 
 def engine_states(params: int, world_size: int, strategy: str, precision: str) -> tuple[int, int, int, int]:
@@ -200,16 +204,11 @@ def engine_states(params: int, world_size: int, strategy: str, precision: str) -
 
     engine_master is the extra fp32 master copy DeepSpeed keeps in fp32 training (4P/N), beyond the
     paper's figure; 0 for every other case."""
-    states = model_states(params, world_size, strategy, precision)
-    if precision == "fp32":
-        master = 4 * math.ceil(params / world_size) if strategy in ("zero1", "zero2", "zero3") else 0
-        return (*states, master)
-    if strategy in ("single", "ddp"):
-        return 4 * params, 4 * params, 8 * params, 0
-    if strategy == "fsdp":
-        shard = math.ceil(params / world_size)
-        return 4 * shard, 4 * shard, 8 * shard, 0
-    return (*states, 0)
+    s = spec(strategy)
+    if s.fp32_params:  # fp32 parameters, gradients and moments (sharded as the stage says) in any precision
+        return (*_per_gpu(params, world_size, s, (4, 4, 8)), 0)
+    master = 4 * math.ceil(params / world_size) if precision == "fp32" else 0
+    return (*model_states(params, world_size, strategy, precision), master)
 
 
 def layer_activation_factor(m: ModelSpec, seq_len: int) -> float:
@@ -246,19 +245,20 @@ def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
     the model on the meta device and materialises only what the rank keeps, initialised in chunks of
     its own range (negligible); loading a checkpoint reads one full fp32 tensor at a time into host
     memory (4 * largest_param, counted for every row: a run may resume). docs/memory_model.md, "Start-up"."""
-    P, n, s, w = model.params, layout.cluster.world_size, layout.strategy, layout.workload
+    P, n, s, w = model.params, layout.cluster.world_size, layout.spec.startup, layout.workload
     c, shard = COMPUTE_BYTES[w.precision], math.ceil(model.params / layout.cluster.world_size)
     oo, op, load = layout.offload_optimizer, layout.offload_params, 4 * model.largest_param
     master = 4 * shard  # DeepSpeed's fp32 master partition
-    if s == "single":
+    if s == "fp32_module":
         return 4 * P, load
-    if s == "ddp":  # the reducer allocates its fp32 flat buckets when it wraps the model
+    if s == "fp32_module_buckets":  # the reducer allocates its fp32 flat buckets when it wraps the model
         return 8 * P, load
-    if s == "fsdp":  # fully_shard on the meta model, then to_empty: fp32 shards only (CPUOffloadPolicy: on host)
+    if s == "fp32_shards":  # fully_shard on the meta model, then to_empty: fp32 shards only (offload: on host)
         return (0, load + 4 * shard) if oo or op else (4 * shard, load)
-    if s in ("zero1", "zero2"):  # module built in the compute dtype; groups flattened through host RAM
+    if s == "16bit_module":  # module built in the compute dtype; groups flattened through host RAM
         return c * P + (0 if oo else master), load + c * P + (master if oo else 0)
-    # zero3: partitions made as zero.Init creates each module (in fp32, then cast: one module at a time);
+    assert s == "zero_init_partitions", s
+    # partitions made as zero.Init creates each module (in fp32, then cast: one module at a time);
     # at initialize the engine copies them into one flat buffer (the old copies are freed), makes the
     # fp32 master partition (a separate copy, in fp32 too) and allocates its gradient partition buffer
     # (in the compute dtype) and a reduce bucket, all before the first step. Measured on CPU ranks:
@@ -287,7 +287,8 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     c, w = layout.cluster, layout.workload
     n, P, ac = c.world_size, model.params, layout.activation_checkpointing
     cb = COMPUTE_BYTES[w.precision]
-    hsdp = layout.hybrid and layout.strategy == "fsdp"  # shards over the node's GPUs only
+    s = layout.spec
+    hsdp = layout.hybrid and s.hybrid_shard  # shards over the node's GPUs only
     if hsdp:
         n = c.gpus_per_node
     params_b, grads_b, optim_b, master_b = engine_states(P, n, layout.strategy, w.precision)
@@ -295,25 +296,25 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     secondary = cb * math.ceil(P / c.gpus_per_node) if hpz else 0
 
     offloaded = 0
-    if layout.strategy == "fsdp" and (layout.offload_optimizer or layout.offload_params):
+    if s.offload_together and (layout.offload_optimizer or layout.offload_params):
         # CPUOffloadPolicy moves the fp32 parameter shards (the master weights), gradients and moments
         offloaded, params_b, grads_b, optim_b = params_b + grads_b + optim_b, 0, 0, 0
     elif layout.offload_optimizer:  # fp32 master + Adam moments and the fp32 gradient shard live on CPU
         offloaded += 16 * math.ceil(P / n)
         optim_b, master_b = 0, 0
-        grads_b = 0 if layout.strategy != "zero1" else grads_b
-    if layout.offload_params and layout.strategy == "zero3":
+        grads_b = grads_b if s.zero_stage == 1 else 0  # ZeRO-1 keeps its gradients whole on the GPU
+    if layout.offload_params and "params" in s.shards and not s.offload_together:
         offloaded += params_b if w.precision != "fp32" else 0  # in fp32 the master copy is the param
         params_b = 0
     states = params_b + grads_b + optim_b
     # FSDP2 without gradient sync keeps every unit's unsharded fp32 gradient until the last micro batch.
-    deferred = layout.strategy == "fsdp" and w.fsdp_defer_grad_reduce and w.grad_accum_steps > 1
+    deferred = s.defer_grad_reduce and w.fsdp_defer_grad_reduce and w.grad_accum_steps > 1
     unsharded = 4 * P if deferred else 0
 
-    sharded = layout.strategy in ("zero3", "fsdp")
+    sharded = s.gathers_in_forward
     gathered = model.largest_unit_params * (2 * cb + cb) if sharded and n > 1 else 0  # 2 units + grads
     # zerodp's DDP uses gradient_as_bucket_view: its buckets are the gradients, counted above.
-    buckets = 0 if layout.strategy in ("single", "ddp", "fsdp") or n == 1 else 2 * w.bucket_mb * 2**20
+    buckets = 2 * w.bucket_mb * 2**20 if s.bucket_copies and n > 1 else 0
     acts = activation_bytes(model, w, ac)
     overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
     total = states + master_b + secondary + unsharded + gathered + buckets + acts + overhead

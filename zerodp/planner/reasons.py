@@ -12,6 +12,7 @@ from zerodp.planner.memory import MARGIN, Layout, MemoryEstimate, Workload, acti
 from zerodp.planner.models import ModelSpec
 from zerodp.planner.rows import CLOSE, TIE, best, layouts, offloads
 from zerodp.planner.units import gb, seconds
+from zerodp.strategies.catalog import planned, spec
 
 if TYPE_CHECKING:
     from zerodp.planner.choose import Plan
@@ -109,20 +110,19 @@ def _startup_device(r: MemoryEstimate) -> str:
     master = "" if r.offload_optimizer else " and the fp32 master partition"
     z3 = "a reduce bucket" if r.offload_optimizer else "the fp32 master and gradient partitions, a reduce bucket"
     return {
-        "single": "fp32 parameters, 4P",
-        "ddp": "fp32 parameters and DDP's gradient buckets, 8P",
-        "zero1": f"the 16-bit module{master}",
-        "zero2": f"the 16-bit module{master}",
-        "zero3": f"the partitions, {z3}, one module created in fp32",
-        "fsdp": "fp32 shards, 4P/N",
-    }[r.strategy]
+        "fp32_module": "fp32 parameters, 4P",
+        "fp32_module_buckets": "fp32 parameters and DDP's gradient buckets, 8P",
+        "16bit_module": f"the 16-bit module{master}",
+        "zero_init_partitions": f"the partitions, {z3}, one module created in fp32",
+        "fp32_shards": "fp32 shards, 4P/N",
+    }[spec(r.strategy).startup]
 
 
 def _startup_host(r: MemoryEstimate, cluster: Cluster) -> str:
     if not cluster.gpu.cuda:
         return "every rank's start-up peak, the device being host memory"
     parts = ["one fp32 checkpoint tensor being loaded per rank"]
-    if r.strategy in ("zero1", "zero2"):
+    if spec(r.strategy).startup == "16bit_module":
         parts.append("DeepSpeed staging each rank's 16-bit module to flatten it")
     if r.offload_optimizer or r.offload_params:
         parts.append("the states offloaded from the start")
@@ -192,10 +192,11 @@ def _order(plan: Plan) -> str:
 
 
 def _sharded(workload: Workload) -> str:
-    """The strategy whose memory shrinks most with more GPUs: fsdp, or zero3 when fsdp defers its
-    gradient reduction while accumulating (it then keeps a 4P of unsharded gradients that no number of
-    GPUs divides)."""
-    return "zero3" if workload.fsdp_defer_grad_reduce and workload.grad_accum_steps > 1 else "fsdp"
+    """The strategy whose memory shrinks most with more GPUs: the first of the planner's order that shards
+    every state (fsdp), passing over one that defers its gradient reduction while accumulating (it then
+    keeps a 4P of unsharded gradients that no number of GPUs divides: zero3)."""
+    deferring = workload.fsdp_defer_grad_reduce and workload.grad_accum_steps > 1
+    return next(s.name for s in planned() if s.zero_stage == 3 and not (deferring and s.defer_grad_reduce))
 
 
 def _min_gpus(model: ModelSpec, cluster: Cluster, workload: Workload, ac: bool) -> Optional[Cluster]:

@@ -9,21 +9,18 @@ from typing import Optional
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.memory import Layout, MemoryEstimate, Workload, estimate
 from zerodp.planner.models import ModelSpec
+from zerodp.strategies.catalog import planned, spec
 
-# (strategy, offload_optimizer, offload_params, hybrid), in order of preference (simplest first).
-VARIANTS = (
-    ("ddp", False, False, False),
-    ("zero1", False, False, False),
-    ("zero2", False, False, False),
-    ("fsdp", False, False, False),   # before zero3: same memory (without accumulation), torch-native
-    ("zero3", False, False, False),
-    ("fsdp", False, False, True),    # several nodes only: shard within a node, replicate across (HSDP)
-    ("zero3", False, False, True),   # several nodes only: ZeRO++ (hpZ, int8 weights, int4 gradients)
-    ("zero2", True, False, False),
-    ("zero3", True, False, False),
-    ("fsdp", True, True, False),
-    ("zero3", True, True, False),
-)
+
+def variants() -> list[tuple[str, bool, bool, bool]]:
+    """(strategy, offload_optimizer, offload_params, hybrid) of every row, in order of preference: each
+    strategy of the catalog (in its planner order), then the hybrid rows (several nodes only: HSDP, ZeRO++),
+    then the offload rows, those offloading less first."""
+    order = planned()
+    plain = [(s.name, False, False, False) for s in order]
+    hybrid = [(s.name, False, False, True) for s in order if s.hybrid_row]
+    offload = [(s.name, oo, op, False) for s in order for oo, op in s.offload_variants]
+    return plain + hybrid + sorted(offload, key=lambda v: v[1] + v[2])  # stable: planner order within a count
 TIE = 0.03
 """Rows predicted within this fraction of the fastest are ties, and the simpler one is chosen."""
 CLOSE = 0.005
@@ -36,15 +33,16 @@ def offloads(r: MemoryEstimate) -> bool:
 
 
 def layouts(cluster: Cluster, workload: Workload) -> list[Layout]:
-    """The rows of the table, in order of preference; on one GPU 'ddp' is plain 'single'."""
+    """The rows of the table, in order of preference; on one GPU a strategy may run as another (ddp as
+    single: the catalog's `on_one_device`)."""
     out = []
-    for strategy, oo, op, hybrid in VARIANTS:
+    for strategy, oo, op, hybrid in variants():
         if oo and not cluster.gpu.cuda:
             continue  # a CPU device has no faster memory to offload to
         if hybrid and cluster.nodes == 1:
             continue  # within one node there is nothing slower to avoid
-        if strategy == "ddp" and cluster.world_size == 1:
-            strategy = "single"
+        if cluster.world_size == 1:
+            strategy = spec(strategy).on_one_device or strategy
         out.append(Layout(strategy, cluster, workload, oo, op, hybrid=hybrid))
     return out
 

@@ -41,20 +41,21 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
     if n == 1:
         return []
     ring = lambda size: (size - 1) / size  # noqa: E731
-    cb, P, acc, s = COMPUTE_BYTES[w.precision], model.params, w.grad_accum_steps, layout.strategy
-    if s == "ddp":  # all-reduce once per step (no_sync while accumulating) during backward; zerodp's DDP
+    cb, P, acc, s = COMPUTE_BYTES[w.precision], model.params, w.grad_accum_steps, layout.spec
+    if s.traffic == "all_reduce":  # once per step (no_sync while accumulating) during backward; zerodp's DDP
         # keeps fp32 gradients (autocast over fp32 parameters)
         return [Collective("all-reduce fp32 gradients", "all", 2 * ring(n) * 4 * P, True)]
-    if s in ("zero1", "zero2"):  # DeepSpeed all-reduces the gradients (use_multi_rank_bucket_allreduce),
-        # each rank keeping its partition: at the boundary (zero1) or every micro batch (zero2, whose
-        # gradients are partitioned); after the step it all-gathers the updated 16-bit flat groups.
-        reduces = acc if s == "zero2" else 1
+    if s.traffic == "reduce_then_gather":  # DeepSpeed all-reduces the gradients
+        # (use_multi_rank_bucket_allreduce), each rank keeping its partition: at the boundary (zero1) or every
+        # micro batch (zero2, whose gradients are partitioned); after the step it all-gathers the updated 16-bit
+        # flat groups.
+        reduces = acc if "grads" in s.shards else 1
         return [Collective("all-reduce gradients", "all", 2 * ring(n) * cb * P * reduces, True),
                 Collective("all-gather updated parameters", "all",
                            ring(n) * cb * _deepspeed_flat_elements(model, n), False)]
-    if s == "zero3":  # every micro batch: reduce-scatter everything, all-gather the parameters above the
-        # persistence threshold in forward, and in backward again those released in between (reuse
-        # distance); the persistent ones are gathered once per step, after the optimizer step
+    if s.traffic == "gather_per_use":  # ZeRO-3, every micro batch: reduce-scatter everything, all-gather
+        # the parameters above the persistence threshold in forward, and in backward again those released in
+        # between (reuse distance); the persistent ones are gathered once per step, after the optimizer step
         persistent, gathered, regathered = _zero3_elements(model, n, w.zero3_persistence_threshold,
                                                            w.zero3_keep_window)
         after_step = Collective("all-gather persistent parameters", "all", ring(n) * cb * persistent, False)
@@ -76,7 +77,8 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
             out.append(Collective("reduce-scatter gradients", "all",
                                   ring(n) * cb * acc * (persistent + gathered), True))
         return out + [after_step]
-    # fsdp: every micro batch all-gathers each unit in forward (compute dtype) and, where resharded after
+    assert s.traffic == "gather_per_unit", s.traffic
+    # FSDP2: every micro batch all-gathers each unit in forward (compute dtype) and, where resharded after
     # forward (the blocks; the root unit stays gathered), again in backward; reduce-scatters fp32 gradients
     # every micro batch (once per step with fsdp_defer_grad_reduce). Hybrid: the same within the node
     # (shard group = the node), then the fp32 gradient shard is all-reduced across the nodes.

@@ -11,6 +11,7 @@ from zerodp.planner.memory import (
     ZERO3_PERSISTENCE_THRESHOLD, Layout, MemoryEstimate, Workload, estimate,
 )
 from zerodp.planner.models import spec_from_model_config
+from zerodp.strategies.catalog import spec
 
 
 def workload_from_config(cfg, world_size: int) -> Workload:
@@ -82,13 +83,13 @@ def estimate_for_run(cfg, world_size: int, device_memory_bytes: int, device_name
 def _layout(cfg, cluster: Cluster, workload: Workload, strategy: Optional[str] = None) -> Layout:
     """The row of `strategy` (default: the one `cfg` names, not auto), with the config's offload, hybrid
     and checkpointing settings."""
-    s, strategy = cfg.strategy, strategy or cfg.strategy.name
-    name = "single" if strategy == "ddp" and cluster.world_size == 1 else strategy
-    hybrid = cluster.nodes > 1 and strategy == "fsdp" and s.hybrid_shard
-    zero3 = strategy == "zero3"  # ZeRO++ as the config sets it (its hpZ group taken as one node)
+    s, run = cfg.strategy, spec(strategy or cfg.strategy.name)
+    name = run.on_one_device or run.name if cluster.world_size == 1 else run.name
+    hybrid = cluster.nodes > 1 and run.hybrid_shard and s.hybrid_shard
+    zeropp = run.zeropp  # ZeRO++ as the config sets it (its hpZ group taken as one node)
     return Layout(name, cluster, workload, s.offload_optimizer, s.offload_params,
-                  cfg.model.activation_checkpointing, hybrid=hybrid, hpz=zero3 and s.hpz_partition_size != 1,
-                  qwz=zero3 and s.quantized_weights, qgz=zero3 and s.quantized_gradients)
+                  cfg.model.activation_checkpointing, hybrid=hybrid, hpz=zeropp and s.hpz_partition_size != 1,
+                  qwz=zeropp and s.quantized_weights, qgz=zeropp and s.quantized_gradients)
 
 
 def _cluster(world_size: int, device_memory_bytes: int, device_name: str,

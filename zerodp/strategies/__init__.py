@@ -1,32 +1,29 @@
-"""Strategy registry. Backends are imported lazily: `single` and `ddp` never import deepspeed.
+"""Strategy registry: builds the strategies of the catalog (zerodp/strategies/catalog.py). Backends are
+imported lazily: `single` and `ddp` never import deepspeed, and importing this package or the catalog
+imports no torch (the interface, `RunContext` and `Strategy`, is loaded when first named).
 
 Layer: above config, models, optim, convert (resharding on load) and distributed; the trainer
-imports it, and nothing below.
+imports it, and nothing below but the catalog, which sits beside config.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from zerodp.errors import UserError
-from zerodp.strategies.base import RunContext, Strategy
+from zerodp.strategies.catalog import CATALOG
 
-# name -> (module, class, constructor kwargs)
-_REGISTRY = {
-    "single": ("zerodp.strategies.single", "SingleStrategy", {}),
-    "ddp": ("zerodp.strategies.ddp", "DDPStrategy", {}),
-    "zero1": ("zerodp.strategies.zero", "ZeroStrategy", {"stage": 1}),
-    "zero2": ("zerodp.strategies.zero", "ZeroStrategy", {"stage": 2}),
-    "zero3": ("zerodp.strategies.zero", "ZeroStrategy", {"stage": 3}),
-    "fsdp": ("zerodp.strategies.fsdp", "FSDPStrategy", {}),
-}
+if TYPE_CHECKING:
+    from zerodp.strategies.base import RunContext, Strategy
 
 
 def make_strategy(name: str) -> Strategy:
-    if name not in _REGISTRY:
-        raise UserError(f"strategy {name!r} is not available; choose one of {' | '.join(_REGISTRY)}")
-    module, cls, kwargs = _REGISTRY[name]
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    if name not in CATALOG:
+        raise UserError(f"strategy {name!r} is not available; choose one of {' | '.join(CATALOG)}")
+    spec = CATALOG[name]
+    module, cls = spec.implementation.split(":")
+    return getattr(importlib.import_module(module), cls)(**dict(spec.init))
 
 
 def check_config(cfg, world_size: int, grad_accum_steps: int) -> None:
@@ -37,4 +34,11 @@ def check_config(cfg, world_size: int, grad_accum_steps: int) -> None:
         check(cfg, world_size, grad_accum_steps)
 
 
-__all__ = ["RunContext", "Strategy", "check_config", "make_strategy"]
+def __getattr__(name: str):
+    if name in ("RunContext", "Strategy"):  # the interface imports torch: only when it is asked for
+        from zerodp.strategies import base
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["CATALOG", "RunContext", "Strategy", "check_config", "make_strategy"]

@@ -29,7 +29,7 @@ from zerodp.optim.schedules import lr_at
 from zerodp.trainer.sample import sample
 from zerodp.telemetry.step_metrics import Pending, Throughput, describe_run, fetch_interval, peak_flops
 from zerodp.trainer.start import plan_start
-from zerodp.strategies import RunContext, make_strategy
+from zerodp.strategies import CATALOG, RunContext, make_strategy
 
 
 def log(env: DistEnv, msg: str) -> None:
@@ -56,8 +56,9 @@ def resolve_strategy(cfg: Config, world_size: int, device: torch.device, local_w
     checkpointing, for the strategy given or chosen).
 
     Returns (config, plan); plan is None unless the planner chose something. Pure: no collectives."""
-    if cfg.strategy.name == "single" and world_size > 1:
-        raise UserError(f"strategy.name=single cannot run on {world_size} processes; use ddp (or launch one process)")
+    if (spec := CATALOG.get(cfg.strategy.name)) and spec.single_process and world_size > 1:  # auto: None
+        raise UserError(f"strategy.name={spec.name} cannot run on {world_size} processes; use ddp (or launch one "
+                        "process)")
     search = cfg.train.micro_batch_size == "auto"
     if cfg.strategy.name != "auto" and not search:
         return cfg, None

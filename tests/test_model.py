@@ -82,6 +82,6 @@ def test_models_build_exactly_the_shapes_their_arch_describes(name):
 
 @pytest.mark.parametrize("family", PLANNER_FAMILIES)
 def test_families_only_the_planner_reads_are_not_built(family):
-    with pytest.raises(ConfigError, match=rf"^model.arch='{family}': zerodp builds and trains gpt2 and llama; "
+    with pytest.raises(ConfigError, match=rf"^model.arch='{family}': zerodp builds and trains gpt2, llama, qwen3; "
                                           rf"{family} is known to the planner only \(zerodp plan --hf-config\)$"):
         build_model(ModelConfig(arch=family))

@@ -26,7 +26,7 @@ import yaml
 from zerodp.errors import ConfigError, UserError
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "auto")
-ARCHS = ("gpt2", "llama")
+from zerodp.models.arch import FAMILIES as ARCHS  # noqa: E402  (model.arch: the families zerodp.models registers)
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -34,7 +34,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 class ModelConfig:
     arch: str = "gpt2"
     """gpt2 (learned positions, LayerNorm, GELU) or llama (Llama 2/3, Mistral, Qwen2: rotary positions,
-    RMSNorm, SwiGLU, grouped-query attention). See docs/models.md."""
+    RMSNorm, SwiGLU, grouped-query attention) or qwen3 (llama with per-head q/k RMSNorm). See docs/models.md."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4

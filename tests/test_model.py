@@ -67,6 +67,9 @@ SHAPE_CONFIGS = {
                                   intermediate_size=96, vocab_size=100, tie_embeddings=True),
     "qwen2-like": ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=100,
                               qkv_bias=True),
+    "qwen3-tied-head_dim": ModelConfig(arch="qwen3", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, n_embd=64,
+                                       vocab_size=100, tie_embeddings=True),
+    "qwen3-default": ModelConfig(arch="qwen3"),
     "llama3-8b": ModelConfig(arch="llama", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
                              vocab_size=128256, block_size=8192),
 }

@@ -162,7 +162,8 @@ def test_moe_total_and_active_published(name, total, active, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama2-7b", "llama3.2-1b", "mistral-7b", "qwen2.5-7b", "qwen3-0.6b",
-                                  "qwen3-8b", "gemma-7b", "gemma2-9b", "phi3-mini", "mixtral-8x7b", "qwen1.5-moe-a2.7b"])
+                                  "qwen3-8b", "gemma-7b", "gemma2-9b", "phi3-mini", "mixtral-8x7b",
+                                  "qwen1.5-moe-a2.7b"])
 def test_presets_are_the_published_configs(name, tmp_path):
     assert preset(name).arch.param_shapes() == spec_of(PUBLISHED[name], tmp_path).arch.param_shapes()
 

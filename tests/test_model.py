@@ -67,6 +67,9 @@ SHAPE_CONFIGS = {
                                   intermediate_size=96, vocab_size=100, tie_embeddings=True),
     "qwen2-like": ModelConfig(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=64, vocab_size=100,
                               qkv_bias=True),
+    "qwen3-tied-head_dim": ModelConfig(arch="qwen3", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, n_embd=64,
+                                       vocab_size=100, tie_embeddings=True),
+    "qwen3-default": ModelConfig(arch="qwen3"),
     "llama3-8b": ModelConfig(arch="llama", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
                              vocab_size=128256, block_size=8192),
 }
@@ -82,6 +85,31 @@ def test_models_build_exactly_the_shapes_their_arch_describes(name):
 
 @pytest.mark.parametrize("family", PLANNER_FAMILIES)
 def test_families_only_the_planner_reads_are_not_built(family):
-    with pytest.raises(ConfigError, match=rf"^model.arch='{family}': zerodp builds and trains gpt2 and llama; "
+    with pytest.raises(ConfigError, match=rf"^model.arch='{family}': zerodp builds and trains gpt2, llama, qwen3; "
                                           rf"{family} is known to the planner only \(zerodp plan --hf-config\)$"):
         build_model(ModelConfig(arch=family))
+
+
+SPEC_NAMES = ("MODEL", "MODEL_TYPES", "DEFAULT_BIAS", "DEFAULT_TIED", "LEARNED_POSITIONS", "EMBEDDING", "BLOCK_PREFIX",
+              "default_ffn", "block_shapes", "param_shapes", "TABLE", "IMPORT_PREFIX", "BUFFERS", "NORM_EPS_KEY",
+              "model_config_from_hf", "hf_config", "PLANNER_DEFAULTS", "planner_arch", "PRESETS")
+
+
+def test_every_registered_family_has_a_whole_torch_free_spec():
+    """Each family in zerodp.models.FAMILY_PACKAGES: its spec.py names everything zerodp reads about it
+    (zerodp/models/__init__.py's list) and imports no torch; its model.py's class is the spec's MODEL."""
+    import subprocess
+    import sys
+
+    from zerodp.models import FAMILY_PACKAGES
+
+    code = ("import importlib, sys\nfrom zerodp.models import FAMILY_PACKAGES\n"
+            "specs = [importlib.import_module(p + '.spec') for p in FAMILY_PACKAGES.values()]\n"
+            f"missing = [(s.__name__, n) for s in specs for n in {SPEC_NAMES!r} if not hasattr(s, n)]\n"
+            "print(missing, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] False"
+    assert set(FAMILY_PACKAGES) == {"gpt2", "llama", "qwen3"}
+    for family in FAMILY_PACKAGES:
+        assert type(build_model(ModelConfig(arch=family), device="meta")).__name__ == arch_of(
+            ModelConfig(arch=family)).spec.MODEL

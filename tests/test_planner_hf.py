@@ -38,6 +38,14 @@ PUBLISHED = {
                    "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064,
                    "max_position_embeddings": 32768, "tie_word_embeddings": False,
                    "bos_token_id": 151643, "eos_token_id": 151643},
+    "qwen3-0.6b": {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_attention_heads": 16,
+                   "num_hidden_layers": 28, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                   "max_position_embeddings": 40960, "tie_word_embeddings": True,
+                   "bos_token_id": 151643, "eos_token_id": 151645},
+    "qwen3-8b": {"model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288, "num_attention_heads": 32,
+                 "num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+                 "max_position_embeddings": 40960, "tie_word_embeddings": False,
+                 "bos_token_id": 151643, "eos_token_id": 151645},
     "gemma-7b": {"model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576, "num_attention_heads": 16,
                  "num_hidden_layers": 28, "num_key_value_heads": 16, "head_dim": 256, "vocab_size": 256000,
                  "max_position_embeddings": 8192, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 1},
@@ -76,6 +84,10 @@ VARIANTS = {  # small configs that exercise every switch, and keys left to trans
                      "mlp_bias": True, "tie_word_embeddings": True},
     "mistral-default-kv-head_dim": {"model_type": "mistral", **SMALL, "num_attention_heads": 16, "head_dim": 8},
     "qwen2-tied": {"model_type": "qwen2", **SMALL, "num_key_value_heads": 2, "tie_word_embeddings": True},
+    "qwen3-defaults": {"model_type": "qwen3", **SMALL, "num_attention_heads": 32},  # kv 32, head_dim 128, untied
+    "qwen3-gqa-tied": {"model_type": "qwen3", **SMALL, "num_key_value_heads": 2, "head_dim": 24,
+                       "tie_word_embeddings": True},
+    "qwen3-biases": {"model_type": "qwen3", **SMALL, "num_key_value_heads": 1, "head_dim": 32, "attention_bias": True},
     "gemma-defaults": {"model_type": "gemma", **SMALL, "num_attention_heads": 16},  # kv 16, head_dim 256, tied
     "gemma-untied-bias": {"model_type": "gemma", **SMALL, "num_key_value_heads": 1, "head_dim": 32,
                           "tie_word_embeddings": False, "attention_bias": True},
@@ -149,8 +161,9 @@ def test_moe_total_and_active_published(name, total, active, tmp_path):
     assert (preset(name).params, preset(name).active_params) == (total, active)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama2-7b", "llama3.2-1b", "mistral-7b", "qwen2.5-7b", "gemma-7b",
-                                  "gemma2-9b", "phi3-mini", "mixtral-8x7b", "qwen1.5-moe-a2.7b"])
+@pytest.mark.parametrize("name", ["gpt2", "llama2-7b", "llama3.2-1b", "mistral-7b", "qwen2.5-7b", "qwen3-0.6b",
+                                  "qwen3-8b", "gemma-7b", "gemma2-9b", "phi3-mini", "mixtral-8x7b",
+                                  "qwen1.5-moe-a2.7b"])
 def test_presets_are_the_published_configs(name, tmp_path):
     assert preset(name).arch.param_shapes() == spec_of(PUBLISHED[name], tmp_path).arch.param_shapes()
 
@@ -188,7 +201,7 @@ def test_hf_config_of_a_planner_only_family_imports_no_torch(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
-TRAINABLE = [n for n, raw in CONFIGS.items() if raw["model_type"] in ("gpt2", "llama", "mistral", "qwen2")
+TRAINABLE = [n for n, raw in CONFIGS.items() if raw["model_type"] in ("gpt2", "llama", "mistral", "qwen2", "qwen3")
              and not raw.get("attention_bias") and "default-kv" not in n]
 
 

@@ -14,7 +14,7 @@ from zerodp.config.checks import _divisor_near, _non_negative, _one_of, _positiv
 from zerodp.errors import ConfigError
 
 STRATEGIES = (*CATALOG, "auto")  # zerodp.strategies.catalog: the one list of strategies
-ARCHS = ("gpt2", "llama")
+from zerodp.models.arch import FAMILIES as ARCHS  # noqa: E402  (model.arch: the families zerodp.models registers)
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "wsd")
 """optim.schedule's names; zerodp.optim.schedules holds a function for each."""
@@ -25,7 +25,7 @@ DECAY_SHAPES = ("linear", "1-sqrt")
 class ModelConfig:
     arch: str = "gpt2"
     """gpt2 (learned positions, LayerNorm, GELU) or llama (Llama 2/3, Mistral, Qwen2: rotary positions,
-    RMSNorm, SwiGLU, grouped-query attention). See docs/models.md."""
+    RMSNorm, SwiGLU, grouped-query attention) or qwen3 (llama with per-head q/k RMSNorm). See docs/models.md."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4

@@ -1,5 +1,5 @@
 """Hugging Face style safetensors: one `*.safetensors` file, or shards listed by `*.index.json`; with a
-Hugging Face config.json beside them, a model folder (gpt2, llama, mistral, qwen2).
+Hugging Face config.json beside them, a model folder (the model types zerodp.models.hf.SUPPORTED lists).
 
 Weights only. Ties are read from our own metadata (`zerodp.tied`) when present, else from config.json's
 tie_word_embeddings; an HF file that simply omits a tied head (GPT-2's lm_head) has nothing to record.
@@ -91,6 +91,7 @@ class SafetensorsSource(CheckpointSource):
         """Take the model's settings and ties from a config.json beside the weights, if there is one. A
         model zerodp cannot run is recorded (`hf_config_error`), not raised: inspect and --to safetensors
         still read it; loading it into a model (FullState) raises."""
+        from zerodp.models.arch import spec_of
         from zerodp.models.hf import model_config_from_hf
 
         cfg_path = self.path.parent / "config.json"
@@ -108,13 +109,14 @@ class SafetensorsSource(CheckpointSource):
         except UserError as e:
             self.meta["hf_config_error"] = str(e)
             return
-        if model["arch"] == "llama":  # a RoPE model's training length is not a property of its weights
+        spec = spec_of(model["arch"])
+        if not spec.LEARNED_POSITIONS:  # a RoPE model's training length is not a property of its weights
             model.pop("block_size")
         self.meta.setdefault("config", {"model": model})
         if model["tie_embeddings"] and "zerodp.tied" not in self.meta["metadata"]:
             # HF files omit the tied head (some tools write it twice: it is then listed once)
-            embedding = next((n for n in ("transformer.wte.weight", "wte.weight", "model.embed_tokens.weight")
-                              if n in names), None)
+            bare = spec.EMBEDDING.removeprefix(spec.IMPORT_PREFIX) if spec.IMPORT_PREFIX else spec.EMBEDDING
+            embedding = next((n for n in (spec.EMBEDDING, bare) if n in names), None)
             if embedding:
                 self.meta["tied"] = {"lm_head.weight": embedding}
 

@@ -1,8 +1,17 @@
-"""The model zoo: one decoder description (`Arch`, zerodp/models/arch.py) and one module per family.
+"""The model zoo: one folder per family, each a torch-free spec and a module.
 
-    model = build_model(cfg.model, seed)            # GPT (gpt2) or Llama (llama), per model.arch
+    model = build_model(cfg.model, seed)            # the module model.arch names (GPT, Llama, Qwen3)
     meta = build_model(cfg.model, device="meta")    # no memory: what the strategies materialise
     arch_of(cfg.model).param_shapes()               # names and shapes, without torch
+
+`zerodp/models/<family>/spec.py` (torch-free) holds what the rest of zerodp reads about a family:
+MODEL (the class in model.py), MODEL_TYPES (the Hugging Face model_type values it reads),
+DEFAULT_BIAS, DEFAULT_TIED, EMBEDDING, BLOCK_PREFIX, default_ffn(n_embd), block_shapes(arch, layer),
+param_shapes(arch), LEARNED_POSITIONS; the Hugging Face name table TABLE (zerodp name, HF name,
+transform), IMPORT_PREFIX, BUFFERS; config.json in both directions (NORM_EPS_KEY,
+model_config_from_hf, hf_config); the planner's reading (PLANNER_DEFAULTS, planner_arch) and PRESETS.
+`zerodp/models/<family>/model.py` is the module. Adding a family is one folder and one line of
+FAMILY_PACKAGES.
 
 A family's constructor only declares modules; it never initialises (torch's own per-module init would
 draw every weight on every rank). Initial values come from `DecoderLM.initial_values(name, seed)`.
@@ -13,25 +22,32 @@ planner, strategies and the trainer import it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import importlib
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.hf, never the reverse
     import torch
 
     from zerodp.config import ModelConfig
 
-from zerodp.models.arch import Arch, arch_of
+FAMILY_PACKAGES = {
+    "gpt2": "zerodp.models.gpt2",
+    "llama": "zerodp.models.llama",
+    "qwen3": "zerodp.models.qwen3",
+}
+"""model.arch -> the family's package. Defined before the import below: zerodp.models.arch reads it."""
 
-# family -> (module, class). Imported on use: the planner reads zerodp.models.arch without torch.
-FAMILY_MODULES = {"gpt2": ("zerodp.models.gpt2", "GPT"), "llama": ("zerodp.models.llama", "Llama")}
+from zerodp.models.arch import Arch, arch_of, spec_of  # noqa: E402
 
 
-def __getattr__(name: str):
-    for module, cls in FAMILY_MODULES.values():
-        if name == cls:
-            return getattr(importlib.import_module(module), cls)
+def _model_class(family: str):
+    return getattr(importlib.import_module(FAMILY_PACKAGES[family] + ".model"), spec_of(family).MODEL)
+
+
+def __getattr__(name: str):  # the modules' classes (GPT, Llama, Qwen3), imported on use: the specs are torch-free
+    for family in FAMILY_PACKAGES:
+        if name == spec_of(family).MODEL:
+            return _model_class(family)
     raise AttributeError(f"module 'zerodp.models' has no attribute {name!r}")
 
 
@@ -39,8 +55,7 @@ def construct(cfg: ModelConfig):
     """The module `cfg.arch` names, as its constructor leaves it: on torch's current default device
     (nothing allocated under `torch.device("meta")`; partitioned as created under `deepspeed.zero.Init`),
     its values not yet the model's initial weights."""
-    module, cls = FAMILY_MODULES[arch_of(cfg).family]
-    return getattr(importlib.import_module(module), cls)(cfg)
+    return _model_class(arch_of(cfg).family)(cfg)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device | None = None):
@@ -99,4 +114,4 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return arch_of(cfg).param_shapes()
 
 
-__all__ = ["Arch", "GPT", "Llama", "arch_of", "build_model", "compile_blocks", "construct", "materialise", "flops_per_token", "param_count", "param_shapes"]
+__all__ = ["Arch", "FAMILY_PACKAGES", "GPT", "Llama", "Qwen3", "arch_of", "build_model", "compile_blocks", "construct", "materialise", "flops_per_token", "param_count", "param_shapes"]

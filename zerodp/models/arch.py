@@ -1,16 +1,15 @@
 """An architecture as data: every parameter's name and shape, the parameter count and the FLOPs per
-token, derived from one description (`Arch`). The model code builds exactly these parameters (a test
-pins it), the planner counts them, and the Hugging Face mapping (zerodp/models/hf.py) names them.
+token, derived from one description (`Arch`). Which names and shapes a family has is its spec's
+(zerodp/models/<family>/spec.py, found through zerodp.models.FAMILY_PACKAGES); the model code builds
+exactly these parameters (a test pins it), the planner counts them, and the Hugging Face mapping
+(zerodp/models/hf.py) names them.
 
 Imports neither torch nor deepspeed: the planner reads it instantly.
 
-Two families zerodp builds and trains (`FAMILIES`):
-- `gpt2`: learned positions, LayerNorm, GELU MLP (4h), one fused c_attn, biases iff `bias`, tied head.
-- `llama` (Llama 2/3, Mistral, Qwen2): rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention
-  (`n_kv_head`), q/k/v biases iff `qkv_bias` (Qwen2), tied or untied head. Names are Hugging Face's.
-
-Five more the planner counts but zerodp does not build (`PLANNER_FAMILIES`; `arch_of` refuses them),
-each with the names and shapes transformers gives its parameters (tests/test_planner_hf.py compares):
+The families zerodp builds and trains (`FAMILIES`) are the registered ones: gpt2, llama (Llama 2/3,
+Mistral, Qwen2) and qwen3. Five more the planner counts but zerodp does not build (`PLANNER_FAMILIES`;
+`arch_of` refuses them), each with the names and shapes transformers gives its parameters
+(tests/test_planner_hf.py compares); all five have llama's layout and llama's spec describes them:
 - `gemma`: llama's layout (its GeGLU and (1 + w) norms change no shape); head_dim is free (256).
 - `gemma2`: gemma plus two more norms per block (pre_feedforward_layernorm, post_feedforward_layernorm).
 - `phi3`: llama with q, k, v fused into one qkv_proj and gate, up into one gate_up_proj (same counts).
@@ -22,15 +21,22 @@ each with the names and shapes transformers gives its parameters (tests/test_pla
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 
 from zerodp.errors import ConfigError
+from zerodp.models import FAMILY_PACKAGES
 
-FAMILIES = ("gpt2", "llama")
-"""Families zerodp builds (zerodp.models.FAMILY_MODULES) and trains: `model.arch`."""
+FAMILIES = tuple(FAMILY_PACKAGES)
+"""Families zerodp builds and trains: `model.arch`."""
 PLANNER_FAMILIES = ("gemma", "gemma2", "phi3", "mixtral", "qwen2_moe")
 """Families only described here, for the planner (`zerodp plan --hf-config`): counted, never built."""
+
+
+def spec_of(family: str):
+    """The torch-free spec module of `family` (a planner-only relative: llama's)."""
+    return importlib.import_module(FAMILY_PACKAGES.get(family, FAMILY_PACKAGES["llama"]) + ".spec")
 
 
 @dataclass(frozen=True)
@@ -76,15 +82,20 @@ class Arch:
         if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
             raise ValueError(f"experts_per_token={self.experts_per_token} must be in 1..n_experts={self.n_experts}")
 
-    # -- names and shapes ----------------------------------------------------------------------------
+    # -- names and shapes: the family's spec (zerodp/models/<family>/spec.py) ---------------------------
+
+    @property
+    def spec(self):
+        """The family's torch-free spec module (the planner's relatives read llama's)."""
+        return spec_of(self.family)
 
     @property
     def embedding(self) -> str:
-        return "transformer.wte.weight" if self.family == "gpt2" else "model.embed_tokens.weight"
+        return self.spec.EMBEDDING
 
     @property
     def block_prefix(self) -> str:
-        return "transformer.h" if self.family == "gpt2" else "model.layers"
+        return self.spec.BLOCK_PREFIX
 
     def tied_weights(self) -> dict[str, str]:
         """alias -> stored name, for weights shared by two modules (the tied head)."""
@@ -96,58 +107,11 @@ class Arch:
 
     def block_shapes(self, layer: int = 0) -> dict[str, tuple[int, ...]]:
         """Block `layer`'s parameters, by their names inside the block (only MoE models' blocks differ)."""
-        h, f, q, kv = self.n_embd, self.ffn, self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        if self.family == "gpt2":
-            out = {"ln_1.weight": (h,), "attn.c_attn.weight": (3 * h, h), "attn.c_proj.weight": (h, h),
-                   "ln_2.weight": (h,), "mlp.c_fc.weight": (f, h), "mlp.c_proj.weight": (h, f)}
-            if self.bias:
-                out.update({"ln_1.bias": (h,), "attn.c_attn.bias": (3 * h,), "attn.c_proj.bias": (h,),
-                            "ln_2.bias": (h,), "mlp.c_fc.bias": (f,), "mlp.c_proj.bias": (h,)})
-            return dict(sorted(out.items()))
-        out = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-               "self_attn.o_proj.weight": (h, q)}
-        if self.family == "gemma2":  # sandwich norms around the MLP as well
-            out.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
-        if self.family == "phi3":  # fused projections: the same parameters under two names instead of five
-            out.update({"self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * f, h),
-                        "mlp.down_proj.weight": (h, f)})
-            return dict(sorted(out.items()))
-        out.update({"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-                    "self_attn.v_proj.weight": (kv, h)})
-        if self.qkv_bias:
-            out.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
-        if self.o_bias:
-            out["self_attn.o_proj.bias"] = (h,)
-        if self.is_moe_layer(layer):
-            e, fe, fs = self.n_experts, self.expert_ffn, self.shared_expert_ffn
-            out.update({"mlp.gate.weight": (e, h),  # the router
-                        "mlp.experts.gate_up_proj": (e, 2 * fe, h), "mlp.experts.down_proj": (e, h, fe)})
-            if fs:
-                out.update({"mlp.shared_expert.gate_proj.weight": (fs, h), "mlp.shared_expert.up_proj.weight": (fs, h),
-                            "mlp.shared_expert.down_proj.weight": (h, fs), "mlp.shared_expert_gate.weight": (1, h)})
-            return dict(sorted(out.items()))
-        out.update({"mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)})
-        if self.mlp_bias:
-            out.update({"mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,), "mlp.down_proj.bias": (h,)})
-        return dict(sorted(out.items()))
+        return self.spec.block_shapes(self, layer)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every trainable parameter's name and shape, a tied head listed once (under the embedding)."""
-        h = self.n_embd
-        out = {self.embedding: (self.vocab_size, h)}
-        if self.family == "gpt2":
-            out["transformer.wpe.weight"] = (self.block_size, h)
-        for i in range(self.n_layer):
-            out.update({f"{self.block_prefix}.{i}.{k}": s for k, s in self.block_shapes(i).items()})
-        if self.family == "gpt2":
-            out["transformer.ln_f.weight"] = (h,)
-            if self.bias:
-                out["transformer.ln_f.bias"] = (h,)
-        else:
-            out["model.norm.weight"] = (h,)
-        if not self.tied:
-            out["lm_head.weight"] = (self.vocab_size, h)
-        return out
+        return self.spec.param_shapes(self)
 
     # -- counts ----------------------------------------------------------------------------------------
 
@@ -176,23 +140,21 @@ class Arch:
 
     def embedding_params(self) -> int:
         """The input embeddings: the token table, and gpt2's position table."""
-        return (self.vocab_size + (self.block_size if self.family == "gpt2" else 0)) * self.n_embd
+        return (self.vocab_size + (self.block_size if self.spec.LEARNED_POSITIONS else 0)) * self.n_embd
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token: 6 per parameter that multiplies (all the token's active parameters
         but the position table and an untied token embedding, which are lookups; a tied one is also the
         head) plus attention's QK^T and AV, 12 * L * s * (n_head * head_dim) (PaLM, appendix B)."""
         s = seq_len or self.block_size
-        lookups = (self.block_size * self.n_embd if self.family == "gpt2" else 0) \
+        lookups = (self.block_size * self.n_embd if self.spec.LEARNED_POSITIONS else 0) \
             + (0 if self.tied else self.vocab_size * self.n_embd)
         return 6 * (self.active_param_count() - lookups) + 12 * self.n_layer * s * self.n_head * self.head_dim
 
 
 def default_ffn(family: str, n_embd: int) -> int:
-    """gpt2: 4h. llama: Llama's own rule, 2/3 of 4h rounded up to a multiple of 256."""
-    if family == "gpt2":
-        return 4 * n_embd
-    return 256 * math.ceil(int(8 * n_embd / 3) / 256)
+    """The MLP width a family has when intermediate_size is not given (gpt2: 4h; llama: Llama's rule)."""
+    return spec_of(family).default_ffn(n_embd)
 
 
 def arch_of(model_cfg) -> Arch:
@@ -203,14 +165,14 @@ def arch_of(model_cfg) -> Arch:
     if family not in FAMILIES:
         known = f"; {family} is known to the planner only (zerodp plan --hf-config)" \
             if family in PLANNER_FAMILIES else ""
-        raise ConfigError(f"model.arch={family!r}: zerodp builds and trains {' and '.join(FAMILIES)}{known}")
-    gpt2 = family == "gpt2"
+        raise ConfigError(f"model.arch={family!r}: zerodp builds and trains {', '.join(FAMILIES)}{known}")
+    spec = spec_of(family)
     return Arch(family=family, n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head,
                 n_kv_head=m.n_kv_head or m.n_head, head_dim=m.head_dim or m.n_embd // m.n_head,
-                ffn=m.intermediate_size or default_ffn(family, m.n_embd), vocab_size=m.vocab_size,
-                block_size=m.block_size, bias=gpt2 if m.bias is None else bool(m.bias), qkv_bias=m.qkv_bias,
-                tied=gpt2 if m.tie_embeddings is None else bool(m.tie_embeddings), norm_eps=m.norm_eps,
-                rope_theta=m.rope_theta, rope_scaling=dict(m.rope_scaling or {}))
+                ffn=m.intermediate_size or spec.default_ffn(m.n_embd), vocab_size=m.vocab_size,
+                block_size=m.block_size, bias=spec.DEFAULT_BIAS if m.bias is None else bool(m.bias),
+                qkv_bias=m.qkv_bias, tied=spec.DEFAULT_TIED if m.tie_embeddings is None else bool(m.tie_embeddings),
+                norm_eps=m.norm_eps, rope_theta=m.rope_theta, rope_scaling=dict(m.rope_scaling or {}))
 
 
 # ModelConfig's defaults for the keys a model section may lack (checkpoints saved before a key existed);

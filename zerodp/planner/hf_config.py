@@ -1,13 +1,14 @@
 """A Hugging Face config.json, read offline into the `Arch` transformers would build from it.
 
-`zerodp plan --hf-config` reads nine model types: the four zerodp trains (gpt2; llama, mistral and
-qwen2, which are zerodp's llama family) and five it only plans (gemma, gemma2, phi3, and the mixtures
-of experts mixtral and qwen2_moe; see zerodp/models/arch.py). A key the file leaves out takes the
-default transformers' configuration class gives it, so the count is the one `from_config` builds
-(tests/test_planner_hf.py builds each under torch.device("meta") and compares every name and shape).
-Imports neither torch nor transformers.
+`zerodp plan --hf-config` reads the model types zerodp trains (each family's MODEL_TYPES: gpt2; llama,
+mistral and qwen2; qwen3), through the family's own `planner_arch` (zerodp/models/<family>/spec.py),
+and five it only plans (gemma, gemma2, phi3, and the mixtures of experts mixtral and qwen2_moe; see
+zerodp/models/arch.py), read here. A key the file leaves out takes the default transformers'
+configuration class gives it, so the count is the one `from_config` builds (tests/test_planner_hf.py
+builds each under torch.device("meta") and compares every name and shape). Imports neither torch nor
+transformers.
 
-zerodp.models.hf.model_config_from_hf maps the four trainable types to a `model:` section, refusing what
+zerodp.models.hf.model_config_from_hf maps the trainable types to a `model:` section, refusing what
 zerodp cannot train exactly (Llama's attention_bias/mlp_bias, other activations, a sliding window
 shorter than the context, YaRN rope) and capping the context at 4096; the planner must still count
 those, so it reads them here, and tests/test_planner_hf.py pins that both give the same shapes
@@ -19,22 +20,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from zerodp.errors import UserError
-from zerodp.models.arch import Arch
-from zerodp.models.hf import REQUIRED, config_int
+from zerodp.models.arch import Arch, spec_of
+from zerodp.models.hf import FAMILY_OF_TYPE, REQUIRED, config_int
 from zerodp.models.hf import read_hf_config as _read
+from zerodp.models.llama.spec import planner_arch as llama_layout
 
-SUPPORTED = ("gpt2", "llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "mixtral", "qwen2_moe")
-
-# model_type -> the Arch family whose layout it has (the others are their own family)
-_FAMILY = {"mistral": "llama", "qwen2": "llama"}
+PLANNER_ONLY = ("gemma", "gemma2", "phi3", "mixtral", "qwen2_moe")
+SUPPORTED = (*FAMILY_OF_TYPE, *PLANNER_ONLY)
 
 # transformers' defaults (models/*/configuration_*.py) for the keys that change a shape, where they are
 # not llama's (num_key_value_heads = num_attention_heads, head_dim = hidden_size / num_attention_heads,
 # untied head, no biases): a key the file omits takes these; one it sets to null falls back to llama's.
+# The trainable families' are in their specs (PLANNER_DEFAULTS).
 _DEFAULTS = {
-    "gpt2": {"tie_word_embeddings": True},
-    "mistral": {"num_key_value_heads": 8},
-    "qwen2": {"num_key_value_heads": 32},
     "gemma": {"num_key_value_heads": 16, "head_dim": 256, "tie_word_embeddings": True},
     "gemma2": {"num_key_value_heads": 4, "head_dim": 256, "tie_word_embeddings": True},
     "mixtral": {"num_key_value_heads": 8, "num_experts_per_tok": 2},  # num_local_experts: 8, below
@@ -42,7 +40,6 @@ _DEFAULTS = {
                   "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
                   "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True},
 }
-
 
 
 def read_hf_config(path: str) -> tuple[dict, Path]:
@@ -56,25 +53,21 @@ def arch_from_hf(raw: dict, where: str = "--hf-config") -> Arch:
     if kind not in SUPPORTED:
         raise UserError(f"{where}: model_type {kind!r} is not supported; the planner reads "
                         f"{', '.join(SUPPORTED)} configs (for others use --params with --layers/--hidden)")
-    given = {**_DEFAULTS.get(kind, {}), **raw}
+    family = FAMILY_OF_TYPE.get(kind)
+    defaults = spec_of(family).PLANNER_DEFAULTS if family else _DEFAULTS
+    given = {**defaults.get(kind, {}), **raw}
 
-    def get(key: str, fallback=REQUIRED, *alts: str) -> int:
-        return config_int(given, key, *alts, default=fallback, where=where, kind=kind)
+    def get(key: str, *alts: str, default=REQUIRED) -> int:
+        return config_int(given, key, *alts, default=default, where=where, kind=kind)
 
-    tied = bool(given.get("tie_word_embeddings", False))
-    if kind == "gpt2":
-        h, heads = get("n_embd"), get("n_head")
-        return Arch("gpt2", n_layer=get("n_layer"), n_embd=h, n_head=heads, n_kv_head=heads, head_dim=h // heads,
-                    ffn=get("n_inner", 4 * h), vocab_size=get("vocab_size"), block_size=get("n_positions", REQUIRED,
-                    "n_ctx"), bias=True, qkv_bias=False, tied=tied)
-
-    h, heads, layers = get("hidden_size"), get("num_attention_heads"), get("num_hidden_layers")
-    attention_bias = kind in ("llama", "gemma", "gemma2") and bool(given.get("attention_bias", False))
+    if family:
+        return spec_of(family).planner_arch(given, kind, get)
     moe: dict = {}
     if kind == "mixtral":
-        moe = dict(n_experts=get("num_local_experts", 8, "num_experts"),  # num_experts: transformers' alias
+        moe = dict(n_experts=get("num_local_experts", "num_experts", default=8),  # num_experts: transformers' alias
                    experts_per_token=get("num_experts_per_tok"), expert_ffn=get("intermediate_size"))
     elif kind == "qwen2_moe":
+        layers = get("num_hidden_layers")
         step, dense = get("decoder_sparse_step"), set(given.get("mlp_only_layers") or ())
         moe = dict(n_experts=get("num_experts"), experts_per_token=get("num_experts_per_tok"),
                    expert_ffn=get("moe_intermediate_size"), shared_expert_ffn=get("shared_expert_intermediate_size"),
@@ -82,10 +75,4 @@ def arch_from_hf(raw: dict, where: str = "--hf-config") -> Arch:
     if moe and moe["experts_per_token"] > moe["n_experts"]:
         raise UserError(f"{where}: num_experts_per_tok={moe['experts_per_token']} exceeds the "
                         f"{moe['n_experts']} experts")
-    return Arch(
-        _FAMILY.get(kind, kind), n_layer=layers, n_embd=h, n_head=heads,
-        n_kv_head=get("num_key_value_heads", heads), head_dim=get("head_dim", h // heads),
-        ffn=get("intermediate_size"), vocab_size=get("vocab_size"),
-        block_size=get("max_position_embeddings", 4096), bias=False,
-        qkv_bias=attention_bias or kind == "qwen2" or (kind == "qwen2_moe" and bool(given["qkv_bias"])),
-        tied=tied, o_bias=attention_bias, mlp_bias=kind == "llama" and bool(given.get("mlp_bias", False)), **moe)
+    return llama_layout(given, kind, get, family=kind, **moe)

@@ -1,7 +1,8 @@
 """What the planner knows about a model (`ModelSpec`), derived from the same description the model is
 built from: `zerodp.models.arch.Arch`, whose `param_shapes()` is the one parameter count. Sources: a
 zerodp config (`spec_from_model_config`), a Hugging Face config.json (`spec_from_hf_config`, parsed by
-zerodp/planner/hf_config.py), a preset (`PRESETS`), or a bare parameter count (`spec_from_params`).
+zerodp/planner/hf_config.py), a preset (`PRESETS`: the families' specs' and the planner-only ones), or
+a bare parameter count (`spec_from_params`).
 
 Everything here is arithmetic on a few integers; no model is built and torch is never imported.
 """
@@ -13,7 +14,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from zerodp.errors import UserError
-from zerodp.models.arch import Arch, arch_of, default_ffn
+from zerodp.models import FAMILY_PACKAGES
+from zerodp.models.arch import Arch, arch_of, spec_of
+from zerodp.models.gpt2.spec import gpt2_arch
+from zerodp.models.llama.spec import llama_arch
 from zerodp.planner.hf_config import arch_from_hf, read_hf_config
 from zerodp.planner.units import lookup
 
@@ -94,26 +98,11 @@ def spec_from_model_config(model_cfg, name: str = "zerodp model") -> ModelSpec:
     return spec_from_arch(arch_of(model_cfg), name, model_cfg.dropout > 0)
 
 
-def gpt2_arch(n_layer: int, n_head: int, n_embd: int, vocab_size: int = 50257, n_positions: int = 1024,
-              bias: bool = True, ffn: Optional[int] = None, tied: bool = True) -> Arch:
-    """GPT-2's architecture (zerodp's GPT is one)."""
-    return Arch("gpt2", n_layer, n_embd, n_head, n_head, n_embd // n_head, ffn or default_ffn("gpt2", n_embd),
-                vocab_size, n_positions, bias, False, tied)
-
-
 def gpt2_spec(name: str, n_layer: int, n_head: int, n_embd: int, vocab_size: int = 50257,
               n_positions: int = 1024, bias: bool = True, dropout: bool = False,
               ffn: Optional[int] = None) -> ModelSpec:
     """A GPT-2-architecture model with its head tied to the token embedding."""
     return spec_from_arch(gpt2_arch(n_layer, n_head, n_embd, vocab_size, n_positions, bias, ffn), name, dropout)
-
-
-def llama_arch(hidden: int, n_layer: int, n_head: int, kv_heads: int, ffn: int, vocab_size: int, context: int,
-               tied: bool = False, head_dim: Optional[int] = None, family: str = "llama", **extra) -> Arch:
-    """A Llama-layout decoder (RMSNorm, GQA attention, SwiGLU MLP, no position table); `family` and
-    `extra` (Arch fields: qkv_bias, n_experts, ...) for its relatives."""
-    return Arch(family, n_layer, hidden, n_head, kv_heads, head_dim or hidden // n_head, ffn, vocab_size, context,
-                False, extra.pop("qkv_bias", False), tied, **extra)
 
 
 def llama_spec(name: str, hidden: int, n_layer: int, n_head: int, kv_heads: int, ffn: int, vocab_size: int,
@@ -123,22 +112,11 @@ def llama_spec(name: str, hidden: int, n_layer: int, n_head: int, kv_heads: int,
                                      qkv_bias=qkv_bias), name)
 
 
-# Published shapes (the models' config.json files). Counts are pinned in tests/test_planner.py, and
-# tests/test_planner_hf.py checks each against what transformers builds from the same numbers.
+# Published shapes: each family's PRESETS (zerodp/models/<family>/spec.py), then the planner-only
+# relatives of llama's layout. Counts are pinned in tests/test_planner.py, and tests/test_planner_hf.py
+# checks each against what transformers builds from the same numbers.
 _PRESET_ARCHS = {
-    "gpt2": lambda: gpt2_arch(12, 12, 768),
-    "gpt2-medium": lambda: gpt2_arch(24, 16, 1024),
-    "gpt2-large": lambda: gpt2_arch(36, 20, 1280),
-    "gpt2-xl": lambda: gpt2_arch(48, 25, 1600),
-    "llama2-7b": lambda: llama_arch(4096, 32, 32, 32, 11008, 32000, 4096),
-    "llama2-13b": lambda: llama_arch(5120, 40, 40, 40, 13824, 32000, 4096),
-    "llama2-70b": lambda: llama_arch(8192, 80, 64, 8, 28672, 32000, 4096),
-    "llama3-8b": lambda: llama_arch(4096, 32, 32, 8, 14336, 128256, 8192),
-    "llama3-70b": lambda: llama_arch(8192, 80, 64, 8, 28672, 128256, 8192),
-    "llama3.2-1b": lambda: llama_arch(2048, 16, 32, 8, 8192, 128256, 131072, tied=True),
-    "llama3.2-3b": lambda: llama_arch(3072, 28, 24, 8, 8192, 128256, 131072, tied=True),
-    "mistral-7b": lambda: llama_arch(4096, 32, 32, 8, 14336, 32000, 32768),
-    "qwen2.5-7b": lambda: llama_arch(3584, 28, 28, 4, 18944, 152064, 32768, qkv_bias=True),
+    **{name: make for family in FAMILY_PACKAGES for name, make in spec_of(family).PRESETS.items()},
     "gemma-7b": lambda: llama_arch(3072, 28, 16, 16, 24576, 256000, 8192, tied=True, head_dim=256, family="gemma"),
     "gemma2-9b": lambda: llama_arch(3584, 42, 16, 8, 14336, 256000, 8192, tied=True, head_dim=256, family="gemma2"),
     "phi3-mini": lambda: llama_arch(3072, 32, 32, 32, 8192, 32064, 4096, family="phi3"),

@@ -1,5 +1,6 @@
-"""The Llama family (`model.arch: llama`: Llama 2/3, Mistral, Qwen2): rotary positions, RMSNorm, SwiGLU
-MLP, grouped-query attention, optional q/k/v biases (Qwen2), tied or untied head.
+"""The Llama family's module (`model.arch: llama`: Llama 2/3, Mistral, Qwen2; spec.py beside it):
+rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, optional q/k/v biases (Qwen2), tied or
+untied head.
 
 Parameter names and layouts are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, nn.Linear
 (out, in), rotary embedding in the rotate-half convention), so HF weights load as they are. The rotary
@@ -74,11 +75,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(a.n_embd, kv, bias=a.qkv_bias)
         self.o_proj = nn.Linear(q, a.n_embd, bias=False)
 
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, T, nh, hd) and k (B, T, nkv, hd) before the rotary embedding: as they are here (Qwen3
+        normalises each head)."""
+        return q, k
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         a = self.a
-        q = self.q_proj(x).view(B, T, a.n_head, a.head_dim).transpose(1, 2)     # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, a.n_kv_head, a.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = self.norm_heads(self.q_proj(x).view(B, T, a.n_head, a.head_dim),
+                               self.k_proj(x).view(B, T, a.n_kv_head, a.head_dim))
+        q, k = q.transpose(1, 2), k.transpose(1, 2)                              # (B, nh, T, hd), (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, a.n_kv_head, a.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         q = (q * cos + rotate_half(q) * sin).to(v.dtype)
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)
@@ -105,10 +112,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, a: Arch, dropout: float):
+    def __init__(self, a: Arch, dropout: float, attention: type[Attention] = Attention):
         super().__init__()
         self.input_layernorm = RMSNorm(a.n_embd, a.norm_eps)
-        self.self_attn = Attention(a, dropout)
+        self.self_attn = attention(a, dropout)
         self.post_attention_layernorm = RMSNorm(a.n_embd, a.norm_eps)
         self.mlp = MLP(a, dropout)
 
@@ -119,6 +126,8 @@ class Block(nn.Module):
 
 class Llama(DecoderLM):
     RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
+    ATTENTION: type[Attention] = Attention
+    """The attention module of every block (a relative such as Qwen3 adds to it)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -127,7 +136,7 @@ class Llama(DecoderLM):
         rope_frequencies(a, torch.device("cpu"))  # an unsupported rope_scaling fails here, not at step 1
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(a.vocab_size, a.n_embd)
-        self.model.layers = nn.ModuleList(Block(a, cfg.dropout) for _ in range(a.n_layer))
+        self.model.layers = nn.ModuleList(Block(a, cfg.dropout, self.ATTENTION) for _ in range(a.n_layer))
         self.model.norm = RMSNorm(a.n_embd, a.norm_eps)
         self.lm_head = nn.Linear(a.n_embd, a.vocab_size, bias=False)
         if a.tied:

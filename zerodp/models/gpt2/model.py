@@ -1,4 +1,5 @@
-"""GPT-2 (`model.arch: gpt2`): learned positions, LayerNorm, GELU MLP, fused c_attn, tied head.
+"""GPT-2's module (`model.arch: gpt2`; spec.py beside it): learned positions, LayerNorm, GELU MLP, fused
+c_attn, tied head.
 
 With GPT-2's dimensions (12 layers, 12 heads, 768 wide, vocab 50257, context 1024, biases, tied
 embeddings) it has exactly GPT-2's 124,439,808 parameters. The model never knows which strategy runs

@@ -256,6 +256,26 @@ def test_launch_and_dry_run_share_their_start_up_checks(run, tmp_path, bad, patt
     assert snapshot(run) == before
 
 
+def test_out_dir_check_without_writing_says_what_writing_would(tmp_path):
+    """The dry run's out_dir check (nothing created) fails where the launch's (a probe file written)
+    fails, with the same line, and passes where it passes."""
+    from zerodp.errors import UserError
+    from zerodp.trainer.preflight import check_out_dir
+
+    (tmp_path / "file").write_text("")
+    for out in (tmp_path / "file", tmp_path / "file" / "run"):
+        lines = []
+        for write in (False, True):
+            with pytest.raises(UserError) as e:
+                check_out_dir(out, write=write)
+            lines.append(str(e.value))
+        assert lines[0] == lines[1] and f"train.out_dir {out} is not writable (" in lines[0], lines
+    check_out_dir(tmp_path / "a" / "b", write=False)
+    assert not (tmp_path / "a").exists()
+    check_out_dir(tmp_path / "a" / "b", write=True)
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == []
+
+
 def test_dry_run_says_where_the_run_would_start(run):
     before = snapshot(run)
     r = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=6", "--dry-run")

@@ -22,6 +22,7 @@ import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from zerodp.errors import UserError
 from zerodp.telemetry import loggers
 from zerodp.trainer.start import StartPlan, plan_start
 
+if TYPE_CHECKING:
+    from zerodp.planner import Plan
+
 
 @dataclass
 class Ready:
@@ -38,12 +42,12 @@ class Ready:
 
     cfg: Config
     """The config to run: auto settings replaced by the planner's choice."""
-    plan: object | None
+    plan: Plan | None
     """The planner's Plan when it chose something (an auto setting), else None."""
     grad_accum: int
     start: StartPlan
     tokens: object
-    """The token stream (zerodp.data.batches.load_tokens)."""
+    """The token stream (zerodp.data.batches.load_tokens: a memmap, or a prepare folder's two splits)."""
     train_data: TokenBatches
     val_data: TokenBatches
     prepared_line: str | None

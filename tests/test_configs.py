@@ -42,7 +42,8 @@ def test_config_dry_runs(path, tmp_path):
     cfg = load_config(path)
     over = [f"train.out_dir={tmp_path / 'run'}"]
     if cfg.data.source.endswith(".bin"):
-        tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, 50_000)
+        # enough for both splits of the longest block (llama3-8b's 8,192: val is data.val_fraction=5%)
+        tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, 200_000)
         tokens.astype(cfg.data.token_dtype).tofile(tmp_path / "train.bin")
         over.append(f"data.source={tmp_path / 'train.bin'}")
     r = zerodp("train", path, *over, "--dry-run")

@@ -227,6 +227,55 @@ def test_dry_run_fails_where_the_launch_would(tmp_path, extra, pattern):
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
+def _bad_out_dir(run: Path, tmp: Path) -> list[str]:
+    (tmp / "file").write_text("")
+    return [f"train.out_dir={tmp}/file"]
+
+
+@pytest.mark.parametrize("bad, pattern", [
+    (lambda run, tmp: ["data.source=/nonexistent/corpus.txt"], r"data.source '/nonexistent/corpus.txt' not found"),
+    (lambda run, tmp: ["model.init_from=/nonexistent/ckpt"], r"model.init_from /nonexistent/ckpt does not exist"),
+    (lambda run, tmp: [f"train.out_dir={run}", "model.n_layer=3"],
+     r"holds a different model than this config \(model.n_layer=2 there, 3 here\)"),
+    (_bad_out_dir, r"train.out_dir \S+/file is not writable \(File exists\); choose a directory you can write to"),
+    (lambda run, tmp: ["strategy.name=zero2", "strategy.offload_params=true"],
+     r"offload_params=true needs parameter sharding"),
+], ids=["data.source", "init_from", "another-model", "out_dir", "strategy"])
+def test_launch_and_dry_run_share_their_start_up_checks(run, tmp_path, bad, pattern):
+    """`zerodp train` and `zerodp train --dry-run` run one preflight (zerodp.trainer.preflight): each
+    bad input stops both with the same one line and exit code 2, and an earlier run's folder stays as it
+    was (the launch creates a new train.out_dir before it checks the data; the dry run creates nothing)."""
+    extra = [f"train.out_dir={tmp_path}/new", *bad(run, tmp_path)]
+    before = snapshot(run)
+    dry = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, "train.max_steps=6", *extra, "--dry-run")
+    one_line_error(dry, pattern)
+    assert not (tmp_path / "new").exists()  # a dry run writes nothing
+    launch = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, "train.max_steps=6", *extra)
+    one_line_error(launch, pattern)
+    assert launch.stderr == dry.stderr
+    assert snapshot(run) == before
+
+
+def test_out_dir_check_without_writing_says_what_writing_would(tmp_path):
+    """The dry run's out_dir check (nothing created) fails where the launch's (a probe file written)
+    fails, with the same line, and passes where it passes."""
+    from zerodp.errors import UserError
+    from zerodp.trainer.preflight import check_out_dir
+
+    (tmp_path / "file").write_text("")
+    for out in (tmp_path / "file", tmp_path / "file" / "run"):
+        lines = []
+        for write in (False, True):
+            with pytest.raises(UserError) as e:
+                check_out_dir(out, write=write)
+            lines.append(str(e.value))
+        assert lines[0] == lines[1] and f"train.out_dir {out} is not writable (" in lines[0], lines
+    check_out_dir(tmp_path / "a" / "b", write=False)
+    assert not (tmp_path / "a").exists()
+    check_out_dir(tmp_path / "a" / "b", write=True)
+    assert [p.name for p in (tmp_path / "a" / "b").iterdir()] == []
+
+
 def test_dry_run_says_where_the_run_would_start(run):
     before = snapshot(run)
     r = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=6", "--dry-run")
@@ -301,7 +350,7 @@ def test_stragglers_sustained_beyond_noise_only():
     `patience` steps is reported once per slow spell, against the other ranks (not a 2-rank mean)."""
     import random
 
-    from zerodp.resilience.faults import StragglerMonitor
+    from zerodp.resilience.stragglers import StragglerMonitor
 
     rng = random.Random(0)
     noisy = StragglerMonitor(["a", "b"], margin=0.2, patience=5)

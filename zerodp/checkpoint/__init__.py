@@ -1,4 +1,5 @@
-"""Storage: saving, loading and finding checkpoints (`store`), their integrity manifest and the one rule
+"""Storage: the run's `Checkpointer` (`checkpointer`: saving, retention, `latest`, what the fault
+handling asks), saving, loading and finding checkpoints (`store`), their integrity manifest and the one rule
 for which checkpoint a run continues from (`manifest`), and outputs written under a temporary name and
 swapped in whole (`safe_output`).
 

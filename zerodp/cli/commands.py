@@ -11,8 +11,8 @@ import sys
 import time
 import warnings
 
-from zerodp.errors import OneLineParser, PeerFailure, UserError
 from zerodp.distributed.launcher import record_exit
+from zerodp.errors import OneLineParser, PeerFailure, UserError
 
 
 class _Parser(OneLineParser):
@@ -91,47 +91,44 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
 
 
 def _dry_run(cfg, fresh: bool, given: dict) -> int:
-    """Run every check of a launch that needs no process group, then print the plan, the resolved
-    config, the keys the user set (`given`, from config.user_settings) apart from those resolved for
-    them, and where the run would start. Writes nothing."""
-    import torch
-
-    from zerodp.telemetry import loggers
+    """Run the start-up checks of a launch (zerodp.trainer.preflight, the launch's own) without a
+    process group, then print the plan, the resolved config, the keys the user set (`given`, from
+    config.user_settings) apart from those resolved for them, and where the run would start. Writes
+    nothing."""
     from zerodp.config import dump_yaml, set_and_resolved
-    from zerodp.data.batches import load_tokens
     from zerodp.planner import plan_for_training
-    from zerodp.trainer.start import plan_start
-    from zerodp.strategies import check_config
-    from zerodp.trainer.loop import device_memory, resolve_strategy
+    from zerodp.trainer.preflight import (
+        Alone,
+        Machine,
+        device_memory,
+        micro_batch_line,
+        preflight,
+    )
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    use_cuda = torch.cuda.is_available() and cfg.train.device in ("auto", "cuda")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if use_cuda else torch.device("cpu")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
-    resolved, plan = resolve_strategy(cfg, world, device, local)
-    if cfg.train.micro_batch_size == "auto" and os.environ.get("RANK", "0") == "0":
-        from zerodp.trainer.loop import micro_batch_line  # printed before the checks that need the data
-        print(f"zerodp: {micro_batch_line(plan)}", flush=True)
-    accum = resolved.check_batch_split(world)
-    check_config(resolved, world, accum)  # the strategy's own settings (strategy.deepspeed keys, offload)
-    start = plan_start(resolved, fresh, set_aside_damaged=False)  # model vs checkpoint / init_from
-    tokens = load_tokens(resolved)  # the data source exists and its tokens fit the vocabulary
-    loggers.check(resolved.train)  # train.tensorboard / train.wandb: their package is installed
+    machine = Machine.from_environment(cfg)
+    rank0 = os.environ.get("RANK", "0") == "0"
+
+    def said(plan) -> None:  # printed before the checks that need the data
+        if cfg.train.micro_batch_size == "auto" and rank0:
+            print(f"zerodp: {micro_batch_line(plan)}", flush=True)
+
+    ready = preflight(cfg, fresh, Alone(machine), on_plan=said)
+    plan, resolved, world = ready.plan, ready.cfg, machine.world_size
     if plan is None:
-        memory, name = device_memory(device, local)
+        memory, name = device_memory(machine.device, machine.local_world_size)
         plan = plan_for_training(cfg, world, memory, name)
-    if os.environ.get("RANK", "0") == "0":
+    if rank0:
         print(plan.table())
         print()
         print(dump_yaml(resolved), end="")
-        print(f"# world_size {world}, grad_accum_steps {accum}, strategy {resolved.strategy.name}")
+        print(f"# world_size {world}, grad_accum_steps {ready.grad_accum}, strategy {resolved.strategy.name}")
         mine, filled = set_and_resolved(given, resolved)
         for what, pairs in (("set by you, unlike the defaults (zerodp config lists them all)", mine),
                             ("resolved, not set by you (null keys from model.arch or model.hf_config, auto by "
                              "the planner)", filled)):
             print(f"# {what}: " + (", ".join(f"{k}={v!r}" for k, v in pairs) or "nothing"))
-        print(f"# data: {len(tokens):,} tokens from {cfg.data.source}")
-        print(f"# {start.why}")
+        print(f"# data: {len(ready.tokens):,} tokens from {cfg.data.source}")
+        print(f"# {ready.start.why}")
     return 0
 
 
@@ -198,7 +195,7 @@ PEER_ERROR_DELAY_S = 3.0
 def _print_user_error(message: str) -> None:
     """One line from rank 0, always seen.
 
-    Errors found after the process group is up are shared by the ranks (zerodp.trainer.loop.agree) and printed
+    Errors found after the process group is up are shared by the ranks (zerodp.trainer.preflight.agree) and printed
     by rank 0 alone. One found before it (a config error: the same on every rank) is found by every
     rank at once, and a launcher that sees any rank exit kills the others, so rank 0 could be killed
     before it prints. The other ranks therefore wait PEER_ERROR_DELAY_S and print it too if still alive:

@@ -17,7 +17,7 @@ options, agent and signal handling, in this process, so that it can tell the two
   rendezvous) are torchrun's, traceback and all.
 
 A rank tells which code it chose in a file of the folder ZERODP_OUTCOME_DIR names (`record_exit`,
-called just before zerodp leaves: zerodp.cli.commands, and zerodp.resilience.faults' side threads). Exit codes 2, 130 and 143
+called just before zerodp leaves: zerodp.cli.commands, and zerodp.resilience's side threads). Exit codes 2, 130 and 143
 are zerodp's without one.
 """
 

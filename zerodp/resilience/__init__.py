@@ -1,5 +1,5 @@
-"""Surviving failures: preemption signals, the heartbeat and the peer watch that name a dead or hung
-rank, and straggler detection (`faults`).
+"""Surviving failures: preemption signals (`preemption`), the heartbeat and the peer watch that name a
+dead or hung rank (`peers`), and straggler detection with the timing it reads (`stragglers`).
 
 Layer: above distributed; below the trainer.
 """

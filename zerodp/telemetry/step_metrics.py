@@ -14,7 +14,7 @@ import torch
 
 from zerodp.config import Config
 from zerodp.distributed.process_group import all_gather_floats
-from zerodp.resilience.faults import Stopwatch
+from zerodp.resilience.stragglers import Stopwatch
 
 
 @dataclass

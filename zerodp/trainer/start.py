@@ -52,7 +52,7 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0)
     """Decide where the run starts; raise UserError when the checkpoint or init_from weights do not
     fit the configured model. Collective when a process group is up (the resume lookup shares its
     sha256 reading over the ranks); the model check reads metadata on rank 0 only, and the caller
-    shares its verdict (`zerodp.trainer.loop.agree`)."""
+    shares its verdict (`zerodp.trainer.preflight.agree`)."""
     from zerodp.models import param_shapes
 
     out_dir = Path(cfg.train.out_dir)

@@ -1,23 +1,10 @@
-"""Surviving the things that go wrong at scale: preemption, dead or hung peers, stragglers.
+"""Dead or hung peers.
 
-- `Preemption`: SIGTERM, SIGUSR1 (Slurm's warning before the time limit) or a first Ctrl-C (SIGINT)
-  sets a flag; the loop shares it with the metrics it exchanges at its next sync point (at most
-  train.log_every steps later), so every rank stops after the same step, saves, and exits together. A
-  second Ctrl-C stops at once. A watchdog ends the process if those steps and the save take longer
-  than the grace period.
 - `Heartbeat`: each rank records its last finished step in the job's key-value store; when a
   collective fails or times out, the survivors name the rank(s) and host(s) that stopped answering.
 - `PeerWatch`: a side thread for what the main thread cannot see while a collective holds it in C++
   (no Python exception, no signal handler, and under nccl a timeout that aborts without a word): a
   peer that shows no sign of life, and a preemption signal that its handler cannot act on.
-- `StragglerMonitor`: per-rank forward-pass time and data wait; a rank slower than the median by a
-  margin for several consecutive steps is reported by rank and host, with the cause (data or compute).
-  The whole step time cannot show a straggler: synchronous ranks all wait for the slowest inside the
-  gradient reduction, so every rank's step takes the same time.
-- `DeviceProbe`: under zero3 and fsdp the forward pass itself all-gathers parameters, so the fast ranks
-  wait for the slow one inside it and every rank's forward lasts equally long. There each rank times a
-  small fixed matrix-multiply workload after the step instead: a slow device (throttled, shared, faulty)
-  is slow at it too, and the forward time is split over the ranks in proportion.
 """
 
 from __future__ import annotations
@@ -26,78 +13,33 @@ import datetime
 import os
 import select
 import signal
-import statistics
 import sys
 import threading
 import time
-
-import torch
+from typing import Protocol
 
 from zerodp.distributed.launcher import record_exit
+from zerodp.resilience.preemption import Preemption
 
 
-class Preemption:
-    """Turns SIGTERM / SIGUSR1 / a first Ctrl-C into a request to checkpoint and stop after the current
-    step; a second Ctrl-C raises KeyboardInterrupt at once."""
+class Checkpoints(Protocol):
+    """What the peer watch needs to know of the run's checkpoints (zerodp.checkpoint.checkpointer.Checkpointer
+    is the one the loop passes): this protocol is the whole of that surface."""
 
-    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
-    SAME_CTRL_C_S = 1.0
-    """A SIGINT this soon after the first is the same Ctrl-C forwarded by a launcher (torchrun sends
-    its workers the signal the terminal already sent them), not the user pressing it again."""
+    busy: bool
+    """A checkpoint is being written: a signal then waits for it (within the grace period)."""
 
-    def __init__(self, grace_s: float, announce: bool = True):
-        self.grace_s = grace_s
-        self.announce = announce  # print what happens (rank 0)
-        self.requested_at: float | None = None
-        self.signal_name = ""
-        self.handled_at: float | None = None
-        """When the handler last ran: a signal it has not run for is one the main thread cannot act on."""
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for name in self.SIGNALS:
-                sig = getattr(signal, name, None)
-                if sig is not None:
-                    self._previous[sig] = signal.signal(sig, self._handle)
+    def newest(self) -> str | None:
+        """The newest complete checkpoint's name, or None before the first save."""
 
-    @property
-    def requested(self) -> bool:
-        return self.requested_at is not None
 
-    CTRL_C = 2.0
+class NoCheckpoints:
+    """A run that saves nothing."""
 
-    @property
-    def request_code(self) -> float:
-        """0: no request; 1: SIGTERM/SIGUSR1 (exit 0 after the checkpoint, the job stopped cleanly);
-        CTRL_C: Ctrl-C (exit 130 after the checkpoint, as a shell expects). Shared by the loop's
-        all-gather at its sync points."""
-        if self.requested_at is None:
-            return 0.0
-        return self.CTRL_C if self.signal_name == "SIGINT" else 1.0
+    busy = False
 
-    def _handle(self, signum, frame) -> None:
-        self.handled_at = time.monotonic()
-        if self.requested_at is not None:
-            late = time.monotonic() - self.requested_at > self.SAME_CTRL_C_S
-            if signum == signal.SIGINT and late:
-                raise KeyboardInterrupt  # the second Ctrl-C: stop now
-            return
-        self.requested_at = time.monotonic()
-        self.signal_name = signal.Signals(signum).name
-        if signum == signal.SIGINT and self.announce:
-            print("\nzerodp: Ctrl-C: training on to the next log step (train.log_every), then saving a checkpoint "
-                  "and exiting; press Ctrl-C again to stop at once without saving", file=sys.stderr, flush=True)
-        threading.Thread(target=self._watchdog, daemon=True, name="zerodp-grace").start()
-
-    def _watchdog(self) -> None:
-        time.sleep(self.grace_s)
-        print(f"zerodp: error: {self.signal_name}: the checkpoint did not finish within the grace period "
-              f"of {self.grace_s:.0f}s (train.preempt_grace_s); exiting. The previous checkpoint is intact.",
-              file=sys.stderr, flush=True)
-        os._exit(record_exit(143))
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+    def newest(self) -> str | None:
+        return None
 
 
 class Heartbeat:
@@ -197,16 +139,15 @@ class PeerWatch:
     SIGNUMS = {getattr(signal, n) for n in Preemption.SIGNALS if hasattr(signal, n)}
 
     def __init__(self, heartbeat: Heartbeat, preemption: Preemption, timeout_s: float, say=None,
-                 newest_checkpoint=lambda: None):
+                 checkpoints: Checkpoints | None = None):
         self.hb, self.preemption = heartbeat, preemption
         self.rank, self.world = heartbeat.rank, heartbeat.world_size
         self.dead_s = peer_dead_s(timeout_s)
         self.beat_s = min(2.0, self.dead_s / 10)
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.newest_checkpoint = newest_checkpoint
+        self.checkpoints = checkpoints or NoCheckpoints()  # busy while one is written; the newest, named when leaving blocked
         self.step, self.step_at = 0, time.monotonic()
         self.slowest_step_s: float | None = None
-        self.saving = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pipe: tuple[int, int] | None = None
@@ -237,7 +178,7 @@ class PeerWatch:
 
     def blocked_s(self) -> float:
         """How long a signal may wait for its handler before the main thread counts as blocked."""
-        if self.saving:
+        if self.checkpoints.busy:
             return self.preemption.grace_s
         step_s = self.slowest_step_s if self.slowest_step_s is not None else self.FIRST_STEP_S
         return min(self.preemption.grace_s, max(5.0, 3 * step_s))
@@ -334,10 +275,10 @@ class PeerWatch:
                                      store=self.store, verb="cannot finish"))
 
     def _leave_blocked(self, name: str, now: float) -> None:
-        newest = self.newest_checkpoint()
+        newest = self.checkpoints.newest()
         kept = (f"the newest checkpoint, {newest}, is intact and the restart (or the same command) resumes "
                 f"from it" if newest else "no checkpoint was saved yet; the restart starts over")
-        what = "writing a checkpoint" if self.saving else f"step {self.step + 1}"
+        what = "writing a checkpoint" if self.checkpoints.busy else f"step {self.step + 1}"
         self._leave(f"{name}: rank {self.rank} on {self.hb.hosts[self.rank]} is blocked in a collective at "
                     f"{what} (no step finished for {now - self.step_at:.0f}s: a peer is not answering), so it "
                     f"cannot finish the step and save; exiting now: {kept}",
@@ -351,112 +292,3 @@ class PeerWatch:
             sys.stderr.flush()
         finally:
             os._exit(record_exit(code))
-
-
-class StragglerMonitor:
-    """Flags a rank whose step time exceeds the median of the *other* ranks' by `margin` (and by at
-    least MIN_EXCESS_S) for `patience` consecutive steps: sustained, not a spike (a busy host's noise comes and goes). Each rank is
-    reported once per slow spell, again only after it recovered and slowed down anew.
-
-    The other ranks' median, not all ranks': with two ranks the median of both is their mean, which
-    would halve how much slower the slow one looks."""
-
-    MIN_EXCESS_S = 0.005
-    """Below this many seconds per step a slower rank costs nothing worth a warning, and on a busy host
-    millisecond forward passes jitter by more than any margin."""
-
-    def __init__(self, hosts: list[str], margin: float = 0.2, patience: int = 5):
-        self.hosts, self.margin, self.patience = hosts, margin, patience
-        self.streak: dict[int, int] = {}
-        self.waited_s = 0.0
-        """How long the job waited for its slowest rank, summed over steps (max - median)."""
-        self.reported: dict[int, str] = {}
-        """rank -> cause, for every rank reported during the run."""
-
-    def update(self, compute: list[float], data_wait: list[float]) -> list[dict]:
-        """Feed one step's per-rank compute (forward) and data-wait seconds; return the stragglers
-        confirmed at this step."""
-        total = [c + d for c, d in zip(compute, data_wait)]
-        self.waited_s += max(total) - statistics.median(total)
-        if len(total) < 2:
-            return []
-        found = []
-        for r, t in enumerate(total):
-            others = statistics.median(total[:r] + total[r + 1:])
-            slow = others > 0 and t > others * (1 + self.margin) and t - others > self.MIN_EXCESS_S
-            self.streak[r] = self.streak.get(r, 0) + 1 if slow else 0
-            if self.streak[r] != self.patience:
-                continue
-            rest = lambda xs: statistics.median(xs[:r] + xs[r + 1:])  # noqa: E731
-            excess_data = data_wait[r] - rest(data_wait)
-            excess_compute = compute[r] - rest(compute)
-            cause = "data loading stall" if excess_data > excess_compute else "slow compute"
-            found.append({"rank": r, "host": self.hosts[r], "step_time_s": t, "median_s": others,
-                          "slower_by": t / others - 1, "cause": cause})
-            self.reported[r] = cause
-        return found
-
-
-class Stopwatch:
-    """Accumulates time inside `with` blocks: CUDA events on a GPU (kernels run async), else a clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.spans: list = []
-        self.total = 0.0
-
-    def __enter__(self):
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.spans.append([start, None])
-        else:
-            self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.spans[-1][1] = end
-        else:
-            self.total += time.perf_counter() - self.t0
-
-    def seconds(self) -> float:
-        """Call after the device was synchronised."""
-        return self.total + sum(s.elapsed_time(e) / 1000 for s, e in self.spans)
-
-
-class DeviceProbe:
-    """A fixed matrix-multiply workload timed on this rank's device: its speed, free of communication.
-
-    Sized to take about a millisecond (a 2048-wide bf16 product 8 times on a GPU, a 160-wide fp32 one
-    on a CPU core), i.e. well under 1% of a training step. Queued after the step, on the same stream."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        cuda = device.type == "cuda"
-        n, dtype = (2048, torch.bfloat16) if cuda else (160, torch.float32)
-        gen = torch.Generator().manual_seed(0)
-        self.a = torch.randn(n, n, generator=gen).to(device, dtype)
-        self.b = torch.randn(n, n, generator=gen).to(device, dtype)
-        self.reps = 8
-        self.launch()  # warm-up: kernel selection and caches are not the device's speed
-
-    def launch(self) -> Stopwatch:
-        """Queue the workload; its Stopwatch reads the seconds once the device has been synchronised
-        (the loop does that once per log interval, not per step)."""
-        watch = Stopwatch(self.device)
-        with watch:
-            for _ in range(self.reps):
-                torch.mm(self.a, self.b)
-        return watch
-
-
-def compute_from_probe(forward_s: list[float], probe_s: list[float]) -> list[float]:
-    """Each rank's share of the (equal, synchronised) forward time in proportion to its device speed:
-    the median forward time scaled by the rank's probe time over the median probe time."""
-    median_probe = statistics.median(probe_s)
-    if median_probe <= 0:
-        return list(forward_s)
-    median_forward = statistics.median(forward_s)
-    return [median_forward * p / median_probe for p in probe_s]

@@ -1,0 +1,57 @@
+"""The run's checkpoints as the loop and the fault handling share them: one `Checkpointer` per run.
+
+It saves (collective, through `store.save`: atomic publication, then retention keeps the newest
+`checkpoint.keep_last` intact ones), restores where the start plan says (a checkpoint, or
+`model.init_from` weights), and tells the peer watch what it needs while a collective holds the main
+thread: whether a checkpoint is being written (`busy`: a signal then waits for it) and which one is the
+newest complete one (`newest`, the name `latest` holds), named in the line a blocked rank leaves with.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from zerodp.checkpoint import store
+
+
+class Checkpointer:
+    """Saving, retention, `latest` and the run's time spent saving, for one strategy in one out_dir."""
+
+    def __init__(self, strategy, out_dir: str | Path, meta: dict, every: int, keep_last: int, max_steps: int):
+        self.strategy, self.out_dir, self.meta = strategy, Path(out_dir), meta
+        self.every, self.keep_last, self.max_steps = every, keep_last, max_steps
+        self.busy = False
+        """A checkpoint is being written (read by the peer watch from its own thread)."""
+        self.save_s = 0.0
+        """Seconds spent in `save` over the run."""
+
+    def due(self, step: int) -> bool:
+        """Whether the loop saves after step `step` (1-based): every checkpoint.every steps and at the end."""
+        return step == self.max_steps or bool(self.every and step % self.every == 0)
+
+    def restore(self, resume_from: Path | None, init_from: str | None, world_size: int) -> dict:
+        """Collective: load the checkpoint `resume_from` (any strategy, any world size saved it), or
+        the `init_from` weights with a fresh AdamW; return the trainer state ({} at step 0)."""
+        if resume_from is not None:
+            return store.load(self.strategy, resume_from, world_size)
+        if init_from:
+            store.init_from(self.strategy, init_from)
+        return {}
+
+    def save(self, step: int, trainer_state: dict) -> Path:
+        """Collective: publish the checkpoint of step `step`, then apply retention; return its folder."""
+        self.busy = True  # a signal now waits for the save (within the grace period)
+        t0 = time.perf_counter()
+        try:
+            return store.save(self.strategy, self.out_dir, step, trainer_state, self.meta, self.keep_last)
+        finally:
+            self.save_s += time.perf_counter() - t0
+            self.busy = False
+
+    def newest(self) -> str | None:
+        """The checkpoint `latest` names (the newest complete one), or None before the first save."""
+        try:
+            return (store.checkpoint_root(self.out_dir) / "latest").read_text().strip() or None
+        except OSError:
+            return None

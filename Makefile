@@ -1,8 +1,8 @@
 # zerodp: `make quickstart` trains a small GPT on one process per usable GPU, at most 2 (2 CPU processes
-# on a machine without one); `make test` runs the test suite (on the CPU, GPUs or not; the tests marked
-# gpu run where there are enough GPUs). Both create .venv and install zerodp into it. Without a GPU the
-# CPU build of torch is installed first (torch==2.13.0); with one, pip keeps/installs the CUDA build that
-# torch's range resolves to.
+# on a machine without one); `make test` runs `make lint` (ruff) and then the test suite (on the CPU, GPUs
+# or not; the tests marked gpu run where there are enough GPUs). Both create .venv and install zerodp into
+# it. Without a GPU the CPU build of torch is installed first (torch==2.13.0); with one, pip keeps/installs
+# the CUDA build that torch's range resolves to.
 #   make quickstart NPROC=1       exactly 1 process
 #   CUDA_VISIBLE_DEVICES=1 make quickstart   GPU 1 only; CUDA_VISIBLE_DEVICES= make quickstart: the CPU
 
@@ -15,7 +15,7 @@ ifeq ($(HAS_GPU),)
 TORCH_PIN := torch==2.13.0
 endif
 
-.PHONY: install quickstart test bench clean
+.PHONY: install quickstart lint test bench clean
 
 install: $(VENV)/.installed
 
@@ -31,7 +31,11 @@ $(VENV)/.installed: pyproject.toml
 quickstart: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_GPUS=2 NPROC=$(NPROC) launchers/local.sh configs/tiny.yaml
 
-test: install
+# ruff's settings are pyproject.toml's [tool.ruff]: a lint error fails `make test` too
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install lint
 	$(PY) -m pytest -q tests
 
 bench: install

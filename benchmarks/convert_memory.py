@@ -169,7 +169,8 @@ sys.exit(rc)
 def _status(pid: int) -> dict[str, int] | None:
     try:
         with open(f"/proc/{pid}/status") as f:
-            return {l.split(None, 1)[0][:-1]: int(l.split()[1]) for l in f if l.startswith(("RssAnon", "RssFile"))}
+            return {line.split(None, 1)[0][:-1]: int(line.split()[1]) for line in f
+                    if line.startswith(("RssAnon", "RssFile"))}
     except (OSError, ValueError, IndexError):
         return None
 
@@ -300,7 +301,8 @@ def main() -> None:
           f"malloc thr=1MiB: MALLOC_MMAP_THRESHOLD_=1048576 (freed tensors go back to the OS at once).")
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
     for r in [hdr] + rows:
-        print("  ".join(str(x).ljust(w) if i < 2 or i == 7 else str(x).rjust(w) for i, (x, w) in enumerate(zip(r, widths))))
+        print("  ".join(str(x).ljust(w) if i < 2 or i == 7 else str(x).rjust(w)
+                        for i, (x, w) in enumerate(zip(r, widths))))
     print(f"\ntotal {time.time() - t_start:.0f}s")
 
 

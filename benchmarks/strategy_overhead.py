@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def parse_args():
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=None,
-                   help="processes: default one per GPU, at most 2 (python -m zerodp.distributed.devices count), else 2 on the CPU")
+                   help="processes: default one per GPU, at most 2 (python -m zerodp.distributed.devices count), "
+                        "else 2 on the CPU")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: CUDA when a GPU is usable (one per process), else the CPU")
     p.add_argument("--strategies", default="ddp,zero1,zero2,zero3,fsdp")

@@ -8,9 +8,9 @@ from zerodp.checkpoint import store as checkpoint
 from zerodp.config import load_config
 from zerodp.distributed.process_group import init_distributed
 from zerodp.models import build_model
-from zerodp.trainer.start import plan_start
 from zerodp.strategies import RunContext, make_strategy
 from zerodp.trainer.loop import train
+from zerodp.trainer.start import plan_start
 
 
 def hf_jobs(jobs: list[dict]) -> list[dict]:

@@ -19,8 +19,9 @@ def write(tmp_path, text: str):
 
 
 def test_defaults_and_overrides_are_typed(tmp_path):
-    cfg = load_config(write(tmp_path, "train:\n  max_steps: 7\n"), ["optim.lr=3e-4", "train.precision=bf16",
-                                                                   "model.bias=false", "strategy.deepspeed.zero_optimization.stage3_max_live_parameters=1e6"])
+    cfg = load_config(write(tmp_path, "train:\n  max_steps: 7\n"), [
+        "optim.lr=3e-4", "train.precision=bf16", "model.bias=false",
+        "strategy.deepspeed.zero_optimization.stage3_max_live_parameters=1e6"])
     assert cfg.train.max_steps == 7
     assert cfg.optim.lr == 3e-4 and isinstance(cfg.optim.lr, float)
     assert cfg.train.precision == "bf16" and cfg.model.bias is False
@@ -41,18 +42,23 @@ def test_yaml_exponent_without_dot_is_a_float(tmp_path):
     ("optim:\n  lr: -0.1\n", r"optim.lr=-0.1 must be positive \(a learning rate such as 3e-4\)"),
     ("optim:\n  lr: 1.0e-3\n  min_lr: 1.0e-2\n", r"optim.min_lr=0.01 is above optim.lr=0.001; set min_lr <= lr"),
     ("optim:\n  beta2: 1.5\n", r"optim.beta2=1.5 must be in \[0, 1\)"),
-    ("strategy:\n  name: zero4\n", r"strategy.name='zero4' is not one of single \| ddp \| zero1 \| zero2 \| zero3 \| fsdp \| auto; did you mean 'zero3'\?"),
+    ("strategy:\n  name: zero4\n",
+     r"strategy.name='zero4' is not one of single \| ddp \| zero1 \| zero2 \| zero3 \| fsdp \| auto; "
+     r"did you mean 'zero3'\?"),
     ("train:\n  precision: fp8\n", r"train.precision='fp8' is not one of fp32 \| bf16 \| fp16"),
     ("train:\n  deterministic: maybe\n", r"train.deterministic in .*c.yaml must be true or false, got 'maybe'"),
-    ("train:\n  global_batch_size: 10\n  micro_batch_size: 4\n", r"train.global_batch_size=10 is not a multiple of train.micro_batch_size=4"),
-    ("model:\n  n_embd: 100\n  n_head: 3\n", r"model.n_embd=100 is not divisible by model.n_head=3; choose n_head among the divisors of n_embd \(e.g. 2\)"),
+    ("train:\n  global_batch_size: 10\n  micro_batch_size: 4\n",
+     r"train.global_batch_size=10 is not a multiple of train.micro_batch_size=4"),
+    ("model:\n  n_embd: 100\n  n_head: 3\n",
+     r"model.n_embd=100 is not divisible by model.n_head=3; choose n_head among the divisors of n_embd \(e.g. 2\)"),
     ("model:\n  dropout: 1.0\n", r"model.dropout=1.0 must be in \[0, 1\)"),
     ("train:\n  out_dir: ''\n", r"train.out_dir is empty"),
     ("- a\n- b\n", r"must be a mapping of sections"),
     ("train: 5\n", r"section 'train' in .*c.yaml must be a mapping of keys, got 5"),
     ("data:\n  token_dtype: int8\n", r"data.token_dtype='int8' must be 'uint16' or 'uint32'"),
     ("checkpoint:\n  keep_last: 0\n", r"checkpoint.keep_last=0 must be positive"),
-    ("optim:\n  schedule: wsd2\n", r"^optim.schedule='wsd2' is not one of cosine \| linear \| wsd; did you mean 'wsd'\?$"),
+    ("optim:\n  schedule: wsd2\n",
+     r"^optim.schedule='wsd2' is not one of cosine \| linear \| wsd; did you mean 'wsd'\?$"),
     ("optim:\n  schedule: wsd\n  decay_shape: sqrt\n",
      r"^optim.decay_shape='sqrt' is not one of linear \| 1-sqrt; did you mean '1-sqrt'\?$"),
     ("optim:\n  schedule: wsd\n  decay_fraction: 0\n",
@@ -70,12 +76,14 @@ def test_config_errors(tmp_path, text, message):
 def test_missing_file_and_yaml_syntax(tmp_path):
     with pytest.raises(ConfigError, match=r"config file .*nope.yaml not found; pass a path such as configs/tiny.yaml"):
         load_config(tmp_path / "nope.yaml")
-    with pytest.raises(ConfigError, match=r"YAML syntax error in .*c.yaml at line \d+, column \d+: expected ',' or ']'"):
+    with pytest.raises(ConfigError,
+                       match=r"YAML syntax error in .*c.yaml at line \d+, column \d+: expected ',' or ']'"):
         load_config(write(tmp_path, "train:\n  max_steps: [1, 2\n"))
 
 
 def test_nested_deepspeed_overrides(tmp_path):
-    cfg = load_config(write(tmp_path, "strategy:\n  deepspeed:\n"), ["strategy.deepspeed.zero_optimization.stage3_prefetch_bucket_size=5e7"])
+    cfg = load_config(write(tmp_path, "strategy:\n  deepspeed:\n"),
+                      ["strategy.deepspeed.zero_optimization.stage3_prefetch_bucket_size=5e7"])
     assert cfg.strategy.deepspeed == {"zero_optimization": {"stage3_prefetch_bucket_size": 50_000_000}}
     with pytest.raises(ConfigError, match=r"strategy.deepspeed.zero_optimization is 5, not a mapping, so "
                                           r"strategy.deepspeed.zero_optimization.stage cannot be set inside it"):
@@ -88,7 +96,8 @@ def test_nested_deepspeed_overrides(tmp_path):
 def test_override_errors():
     with pytest.raises(ConfigError, match=r"override 'max_steps=5' is not of the form section.key=value"):
         load_config(None, ["max_steps=5"])
-    with pytest.raises(ConfigError, match=r"unknown key 'train.max_stepz' in defaults \(with overrides\); did you mean 'train.max_steps'"):
+    with pytest.raises(ConfigError, match=r"unknown key 'train.max_stepz' in defaults \(with overrides\); "
+                                          r"did you mean 'train.max_steps'"):
         load_config(None, ["train.max_stepz=5"])
 
 

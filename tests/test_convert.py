@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.harness import run_distributed
 from zerodp.checkpoint import store as checkpoint
-from zerodp.convert import open_checkpoint, parse_size, write_safetensors, write_zerodp
 from zerodp.cli.commands import main
+from zerodp.convert import open_checkpoint, parse_size, write_safetensors, write_zerodp
 from zerodp.errors import CheckpointError
 
 
@@ -59,7 +59,8 @@ def test_safetensors_zerodp_safetensors_round_trip_is_bit_exact(tmp_path):
     shards = write_safetensors(open_checkpoint(ckpt), tmp_path / "sharded", max_shard_size=parse_size("2KB"),
                                progress=False)
     names = sorted(p.name for p in shards)
-    assert names[-1] == "model.safetensors.index.json" and names[0] == f"model-00001-of-{len(shards) - 1:05d}.safetensors"
+    assert names[-1] == "model.safetensors.index.json"
+    assert names[0] == f"model-00001-of-{len(shards) - 1:05d}.safetensors"
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in ref.values())
     assert set(index["weight_map"]) == set(ref)

@@ -6,7 +6,6 @@ new one is complete; a failure midway leaves the old output as it was and no sta
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -19,8 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.harness import ROOT, run_distributed
 from zerodp.checkpoint import store as checkpoint
-from zerodp.convert import open_checkpoint, write_safetensors, write_zerodp
 from zerodp.cli.commands import main
+from zerodp.convert import open_checkpoint, write_safetensors, write_zerodp
 from zerodp.errors import UserError
 
 STEP2, STEP4 = "checkpoints/step_00000002", "checkpoints/step_00000004"

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from zerodp.distributed import determinism
 from zerodp.config import load_config
+from zerodp.distributed import determinism
 from zerodp.errors import ConfigError, UserError
 
 

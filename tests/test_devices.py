@@ -16,7 +16,6 @@ import pytest
 from tests.harness import MACHINE_GPUS, ROOT, base_env, gpu_env, gpu_skip_reason, machine_gpus, pin_cpu, run_distributed
 from zerodp.distributed.devices import usable_gpus
 
-
 # -- counting ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device_count, visible, max_gpus, expected", [
@@ -38,8 +37,8 @@ def test_usable_gpus(device_count, visible, max_gpus, expected):
 
 
 def devices(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "zerodp.distributed.devices", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=env or base_env(1), timeout=120)
+    return subprocess.run([sys.executable, "-m", "zerodp.distributed.devices", *args], cwd=ROOT, capture_output=True,
+                          text=True, env=env or base_env(1), timeout=120)
 
 
 def test_count_here_is_the_cpu_default():

@@ -69,7 +69,8 @@ def test_which_launcher_environments_span_several_nodes(env, several):
 def test_loopback_host_name_on_several_nodes_names_the_variable():
     # "localhost" resolves to loopback everywhere, as a name mapped to 127.0.1.1 does on Debian hosts
     with pytest.raises(UserError, match=r"host name 'localhost' resolves to (127\.0\.0\.1|::1), a loopback address.*"
-                                        r"connectFullMesh failed.*export GLOO_SOCKET_IFNAME=.*MASTER_ADDR=203\.0\.113\.1"):
+                                        r"connectFullMesh failed.*export GLOO_SOCKET_IFNAME=.*"
+                                        r"MASTER_ADDR=203\.0\.113\.1"):
         check_gloo_network(SECOND_NODE, "localhost")
     with pytest.raises(UserError, match=r"host name 'no-such-host\.invalid' does not resolve, so gloo falls back "
                                         r"to 127\.0\.0\.1.*export GLOO_SOCKET_IFNAME="):

@@ -4,7 +4,6 @@ line where that is what the user ran."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -370,7 +369,7 @@ def test_stragglers_sustained_beyond_noise_only():
     assert not any(tiny.update([0.001, 0.0016], [0.0, 0.0]) for _ in range(20))
 
 
-# -- 13. command line and files ------------------------------------------------------------------------------------------
+# -- 13. command line and files ----------------------------------------------------------------------------------------
 
 def test_cli_details(run):
     """Item 13: overrides are optional in the usage error, --version, and checkpoint files follow the
@@ -391,7 +390,7 @@ def _umask() -> int:
     return mask
 
 
-# -- 14. config discoverability ------------------------------------------------------------------------------------------
+# -- 14. config discoverability ----------------------------------------------------------------------------------------
 
 def test_zerodp_config_lists_every_key_with_default_type_and_doc():
     from zerodp.config import Config, field_docs
@@ -409,7 +408,7 @@ def test_zerodp_config_lists_every_key_with_default_type_and_doc():
     one_line_error(zerodp("config", "trian"), r"there is no config section 'trian'")
 
 
-# -- 15. packaging ---------------------------------------------------------------------------------------------------------
+# -- 15. packaging -----------------------------------------------------------------------------------------------------
 
 def test_pyproject_uses_no_deprecated_setuptools_form():
     """Item 15: `project.license` as a table is deprecated (and refused from 2027-02-18)."""

@@ -55,7 +55,8 @@ def first_launch(tmp_path_factory):
 
 def test_fsdp_matches_reference_and_precision_bands(first_launch):
     """World 2, accum 2: fp32 exact (with activation checkpointing, without resharding, with CPU
-    offload, deferring the gradient reduction to the last micro batch); bf16 and fp16 within their measured bands of the fp32 reference."""
+    offload, deferring the gradient reduction to the last micro batch); bf16 and fp16 within their measured
+    bands of the fp32 reference."""
     ref_losses, ref_weights = reference_run(load_config(None, BANDS))
     per_rank = [r[:len(VARIANTS)] for r in first_launch[1]]
     results = dict(zip(VARIANTS, per_rank[0]))
@@ -105,7 +106,8 @@ def state_bytes_worker(overrides: list[str]) -> dict:
     env = init_distributed("cpu")
     init = {n: p.detach().clone() for n, p in build_model(cfg.model, cfg.train.seed).named_parameters()}
     strategy = make_strategy("fsdp")
-    strategy.setup(build_model(cfg.model, device="meta"), RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, 1))
+    strategy.setup(build_model(cfg.model, device="meta"),
+                   RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, 1))
     m = strategy.model
     tied = m.lm_head.weight is m.transformer.wte.weight
     out = {"setup": strategy.state_bytes(), "tied": tied, "init": init, "full": strategy.full_state_dict()}

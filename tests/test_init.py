@@ -4,7 +4,6 @@ the part it keeps, from a model built on the meta device."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tests.harness import run_distributed

@@ -159,7 +159,8 @@ def test_ctrl_c_under_multinode_deepspeed_sh_saves_and_exits_130(tmp_path):
 def test_a_rank_that_crashes_shows_its_traceback_torchruns_report_and_its_code(tmp_path, how, code, shown):
     script = tmp_path / "crash.py"
     script.write_text(f"import os, signal, time\nif os.environ['RANK'] == '1':\n    {how}\ntime.sleep(60)\n")
-    r = subprocess.run([sys.executable, "-m", "zerodp.distributed.launcher", "--standalone", "--nproc-per-node", "2", str(script)],
+    r = subprocess.run([sys.executable, "-m", "zerodp.distributed.launcher", "--standalone", "--nproc-per-node", "2",
+                        str(script)],
                        env=launch_env(OMP_NUM_THREADS="1"), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == code, r.stderr
     assert shown in r.stderr
@@ -188,7 +189,7 @@ def test_bad_input_to_a_launcher_script_is_one_line_exit_2(cmd, env, pattern):
     assert len(r.stderr.splitlines()) == 1 and re.search(pattern, r.stderr), r.stderr
 
 
-# -- how zerodp.distributed.launcher judges, without processes --------------------------------------------------------------------
+# -- how zerodp.distributed.launcher judges, without processes ---------------------------------------------------------
 
 def test_a_rank_records_the_code_it_chose(tmp_path, monkeypatch):
     monkeypatch.setenv(launcher.OUTCOME_DIR, str(tmp_path))

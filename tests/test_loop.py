@@ -41,7 +41,8 @@ def count_syncs(overrides: list[str]) -> dict:
     for name in SYNCS:
         setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
     torch.cuda.synchronize = counted("synchronize", torch.cuda.synchronize)
-    zerodp.telemetry.step_metrics.all_gather_floats = counted("all_gather", zerodp.telemetry.step_metrics.all_gather_floats)
+    zerodp.telemetry.step_metrics.all_gather_floats = counted("all_gather",
+                                                              zerodp.telemetry.step_metrics.all_gather_floats)
     real_step = zerodp.trainer.loop.train_step
 
     def numbered_step(*args, **kwargs):  # what follows belongs to this step, up to the next one

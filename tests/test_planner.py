@@ -14,13 +14,24 @@ import pytest
 from zerodp.config import Config, ModelConfig
 from zerodp.errors import UserError
 from zerodp.planner import (
-    Cluster, Layout, Workload, activation_bytes, choose, estimate, gpt_param_count, gpu_preset,
-    model_states, plan_for_training, preset, spec_from_hf_config, spec_from_params,
+    Cluster,
+    Layout,
+    Workload,
+    activation_bytes,
+    choose,
+    estimate,
+    gpt_param_count,
+    gpu_preset,
+    model_states,
+    plan_for_training,
+    preset,
+    spec_from_hf_config,
+    spec_from_params,
 )
 from zerodp.planner.cli import add_parser, run
 from zerodp.planner.memory import layer_activation_factor
-from zerodp.planner.traffic import comm_bytes
 from zerodp.planner.models import gpt2_spec
+from zerodp.planner.traffic import comm_bytes
 from zerodp.planner.units import parse_bytes, parse_count
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,9 +152,9 @@ def test_communication_volumes():
 
 def test_zero_pads_and_persists_as_deepspeed_does():
     """Sizes of the tiny test model's collectives at world 3, as measured (tests/test_equivalence.py)."""
+    from tests.conftest import TINY
     from zerodp.config import load_config
     from zerodp.planner import spec_from_model_config
-    from tests.conftest import TINY
 
     m, c = spec_from_model_config(load_config(None, TINY).model), Cluster(gpus_per_node=3)
     assert m.params == 34_688
@@ -456,7 +467,8 @@ def test_sizes():
     (["--model", "gpt2", "--hbm", "1e999GB"], r"^--hbm '1e999GB' is too large to be a size; write one such as 80GB$"),
     (["--model", "gpt2", "--hbm", ""], r"^--hbm '' is not a size"),
     (["--model", "gpt2", "--cpu-ram", "0"], r"^--cpu-ram '0' must be positive; write a size such as 512GB$"),
-    (["--model", "gpt2", "--cpu-ram", "lots"], r"^--cpu-ram 'lots' is not a size; write a number and a unit, e.g. 512GB"),
+    (["--model", "gpt2", "--cpu-ram", "lots"],
+     r"^--cpu-ram 'lots' is not a size; write a number and a unit, e.g. 512GB"),
     (["--params", "0"], r"^--params '0' must be positive \(at least 1\), e.g. 7B$"),
     (["--params=-7B"], r"^--params '-7B' must be positive \(at least 1\), e.g. 7B$"),
     (["--params", "0.4"], r"^--params '0.4' must be positive \(at least 1\), e.g. 7B$"),

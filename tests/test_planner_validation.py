@@ -59,7 +59,8 @@ def measure_worker(runs: list[list[str]]) -> list[dict]:
         accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * env.world_size)
         torch.manual_seed(0)
         strategy = make_strategy(strategy_name)
-        strategy.setup(build_model(cfg.model, device="meta"), RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, accum))
+        strategy.setup(build_model(cfg.model, device="meta"),
+                       RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, accum))
         x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.block_size))
         peak: dict[str, int] = {}
         for step in range(2):

@@ -19,8 +19,8 @@ from tests.reference import LLAMA, reference_run
 from tests.text_fixtures import stdlib_texts, train_bpe, write_jsonl
 from zerodp.config import load_config
 from zerodp.data.batches import PreparedTokens, TokenBatches, load_tokens
-from zerodp.errors import UserError
 from zerodp.data.prepare import PrepareOptions, prepare
+from zerodp.errors import UserError
 from zerodp.trainer.sample import decode, prompt_tokens
 
 STEPS = 3
@@ -134,7 +134,8 @@ def test_an_unset_vocab_size_is_taken_from_meta_json(prepared, tmp_path, capsys)
     assert cfg.model.vocab_size == vocab
     assert capsys.readouterr().err == (f"zerodp: model.vocab_size={vocab} taken from {where} (the tokenizer's "
                                        f"vocabulary; the config leaves model.vocab_size unset)\n")
-    assert load_config("configs/tiny.yaml", overrides(root / "data", tmp_path, vocab + 64)).model.vocab_size == vocab + 64
+    bigger = load_config("configs/tiny.yaml", overrides(root / "data", tmp_path, vocab + 64))
+    assert bigger.model.vocab_size == vocab + 64
     written = tmp_path / "mine.yaml"
     written.write_text(f"model:\n  vocab_size: 256\ndata:\n  source: {root / 'data'}\n")
     cfg = load_config(written, [f"train.out_dir={tmp_path}"])
@@ -313,8 +314,8 @@ def test_generate_and_eval_refuse_bad_input(prepared, trained, tmp_path):
 def test_generate_and_eval_name_a_prepared_folder_and_what_to_pass(prepared, tmp_path, capsys):
     """A prepare folder where the checkpoint goes is called a dataset, with what to pass instead; a
     checkpoint without data (an export) is told the command that works, with its path as typed."""
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     from zerodp.cli.commands import main
 

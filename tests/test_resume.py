@@ -55,7 +55,8 @@ def launched(tmp_path_factory):
     for world, plan in plans.items():
         tmp = tmp_path_factory.mktemp(f"world{world}")
         runs = {name: make(tmp / name) for name, make in plan.items()}
-        results = run_distributed("tests.workers:train_runs", world, {"runs": [r for rs in runs.values() for r in rs]})[0]
+        results = run_distributed("tests.workers:train_runs", world,
+                                  {"runs": [r for rs in runs.values() for r in rs]})[0]
         by_test, i = {}, 0
         for name, rs in runs.items():
             by_test[name], i = results[i:i + len(rs)], i + len(rs)

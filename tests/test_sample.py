@@ -48,8 +48,8 @@ def sample_after_training(runs: list[list[str]], steps: list[int]) -> list[dict]
     (for the reference, after sampling) the full weights on rank 0."""
     import torch.distributed as dist
 
-    from zerodp.trainer.sample import generate_tokens, sample
     from zerodp.trainer.loop import train_step
+    from zerodp.trainer.sample import generate_tokens, sample
 
     results = []
     for overrides, steps in zip(runs, steps, strict=True):
@@ -85,8 +85,8 @@ def sample_memory(runs: list[list[str]]) -> list[dict]:
 
     import torch.distributed as dist
 
-    from zerodp.trainer.sample import sample
     from zerodp.trainer.loop import train_step
+    from zerodp.trainer.sample import sample
 
     def growth(fn) -> tuple[int, object]:
         gc.collect()

@@ -119,7 +119,8 @@ def test_fp16_on_cpu_is_refused(tiny):
     cfg = load_config(None, tiny + ["train.precision=fp16"])
     with pytest.raises(UserError, match=r"train\.precision=fp16: DeepSpeed's cpu accelerator has no fp16 support; "
                                         r"use train\.precision=bf16"):
-        make_strategy("zero2").setup(build_model(cfg.model, device="meta"), RunContext(cfg, 0, 1, 0, torch.device("cpu"), 6))
+        make_strategy("zero2").setup(build_model(cfg.model, device="meta"),
+                                     RunContext(cfg, 0, 1, 0, torch.device("cpu"), 6))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -128,7 +129,8 @@ def test_fp16_on_cpu_is_refused(tiny):
 
 RESUME_BASE = TINY + ["train.global_batch_size=8", "optim.decay_steps=10", "checkpoint.every=3"]
 BF16_RUN = TINY + ["train.global_batch_size=8", "train.max_steps=8"]
-BF16_STATE = TINY + ["train.precision=bf16", "strategy.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"]
+BF16_STATE = TINY + ["train.precision=bf16",
+                     "strategy.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"]
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +149,8 @@ def launches(tmp_path_factory):
         ]
     resume = [{"overrides": r["overrides"][:-2] + ["train.max_steps=6", r["overrides"][-1]], "fresh": False}
               for r in runs[1::2]]
-    bf16 = [{"overrides": BF16_RUN + [f"strategy.name={s}", "train.precision=bf16", f"train.out_dir={tmp / 'bf16' / s}"]}
+    bf16 = [{"overrides": BF16_RUN + [f"strategy.name={s}", "train.precision=bf16",
+                                      f"train.out_dir={tmp / 'bf16' / s}"]}
             for s in ("zero1", "zero2", "zero3")]
     first = {"first": ("tests.workers:train_runs", {"runs": runs}),
              "bf16": ("tests.workers:train_runs", {"runs": bf16}),
@@ -255,14 +258,16 @@ def loss_scaler_worker(overrides: list[str], out_dir: str) -> dict:
         for _ in range(2):
             torch.manual_seed(0)
             strategy = make_strategy(stage)
-            strategy.setup(build_model(cfg.model, device="meta"), RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, 1))
+            strategy.setup(build_model(cfg.model, device="meta"),
+                           RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, 1))
             strategy.model.optimizer.loss_scaler = DynamicLossScaler(
                 init_scale=2**10, scale_window=2, min_scale=1, delayed_shift=2, consecutive_hysteresis=False,
                 dtype=torch.float32)
             strategy.model.optimizer.dynamic_loss_scale = True
             engines.append(strategy)
         first, second = engines
-        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size), generator=torch.Generator().manual_seed(1))
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size),
+                          generator=torch.Generator().manual_seed(1))
         for _ in range(5):
             with first.micro_step(is_last=True):
                 first.backward(first.model(x, x))
@@ -306,7 +311,8 @@ def min_scale_worker(overrides: list[str]) -> dict:
         scaler = CreateLossScaler(torch.half, 0, True, DeepSpeedFP16Config(**fp16).dynamic_loss_scale_args())
         strategy.model.optimizer.loss_scaler = scaler
         strategy.model.optimizer.dynamic_loss_scale = True
-        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size), generator=torch.Generator().manual_seed(1))
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size),
+                          generator=torch.Generator().manual_seed(1))
         scales = []
         for _ in range(30):
             scales.append(scaler.cur_scale)

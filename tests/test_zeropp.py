@@ -49,12 +49,14 @@ def cfg_of(*overrides: str):
 
 def test_generated_config_has_the_zeropp_keys():
     z = deepspeed_config(cfg_of("strategy.name=zero3"), 3, 1, 4)["zero_optimization"]
-    assert (z["zero_hpz_partition_size"], z["zero_quantized_weights"], z["zero_quantized_gradients"]) == (1, False, False)
+    assert (z["zero_hpz_partition_size"], z["zero_quantized_weights"],
+            z["zero_quantized_gradients"]) == (1, False, False)
     cfg = cfg_of("strategy.name=zero3", "strategy.hpz_partition_size=8", "strategy.quantized_weights=true",
                  "strategy.quantized_gradients=true")
     z = deepspeed_config(cfg, 3, 1, 32, ranks_per_node=8)["zero_optimization"]
     assert (z["zero_hpz_partition_size"], z["zero_quantized_weights"], z["zero_quantized_gradients"]) == (8, True, True)
-    z = deepspeed_config(cfg_of("strategy.name=zero3", "strategy.hpz_partition_size=0"), 3, 1, 32, 8)["zero_optimization"]
+    z = deepspeed_config(cfg_of("strategy.name=zero3", "strategy.hpz_partition_size=0"),
+                         3, 1, 32, 8)["zero_optimization"]
     assert z["zero_hpz_partition_size"] == 8  # 0: the ranks of one node
     # a strategy.deepspeed key equal to zerodp's value is accepted, as for every owned key
     cfg = cfg_of("strategy.name=zero3", "strategy.hpz_partition_size=2",
@@ -63,7 +65,8 @@ def test_generated_config_has_the_zeropp_keys():
 
 
 ONE_NODE = r"hpZ needs more than one node: {}, and on one node every rank already gathers over the fast link; " \
-           r"remove strategy\.hpz_partition_size \(or set it to 1\), or set it to the ranks per node of a multi-node run"
+           r"remove strategy\.hpz_partition_size \(or set it to 1\), or set it to the ranks per node of a " \
+           r"multi-node run"
 
 
 @pytest.mark.parametrize("overrides, stage, world, node, match", [
@@ -187,7 +190,8 @@ def hpz_run(tmp_path_factory):
         {"overrides": BASE + ["strategy.name=ddp", f"train.max_steps={STEPS}", f"train.out_dir={tmp / 'ddp'}"],
          "copy": str(tmp / "part"), "fresh": False},
         # hpz_partition_size=0: the launcher's LOCAL_WORLD_SIZE
-        {"overrides": HPZ + ["strategy.hpz_partition_size=0", f"train.max_steps={STEPS}", f"train.out_dir={tmp / 'part'}"],
+        {"overrides": HPZ + ["strategy.hpz_partition_size=0", f"train.max_steps={STEPS}",
+                             f"train.out_dir={tmp / 'part'}"],
          "fresh": False},
         # plain zero3 after hpZ in the same process: DeepSpeed's hpZ group must not carry over
         {"overrides": BASE + ["strategy.name=zero3", SHARD_ALL, "train.max_steps=1", f"train.out_dir={tmp / 'plain'}"]},

@@ -135,8 +135,7 @@ def slow_rank(overrides: list[str], rank: int, delay: float, where: str) -> dict
 
 def find_resumable_shared(out_dir: str) -> dict:
     """Run the collective resume lookup; report what it found and which files this rank hashed."""
-    from zerodp.checkpoint import store as checkpoint
-    from zerodp.checkpoint import manifest
+    from zerodp.checkpoint import manifest, store as checkpoint
 
     real, hashed = manifest.sha256_file, []
 

@@ -27,11 +27,21 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from zerodp.checkpoint.manifest import (  # noqa: F401
+    FORMAT_VERSION,
+    META,
+    checkpoint_order,
+    file_record,
+    is_step_dir,
+    latest_name,
+    recorded_step,
+    sha256_file,
+    stale_latest,
+    step_dir_name,
+    verify,
+)
 from zerodp.distributed.process_group import broadcast_object
 from zerodp.errors import CheckpointError
-
-from zerodp.checkpoint.manifest import (FORMAT_VERSION, META, checkpoint_order, file_record, is_step_dir,  # noqa: F401
-                             latest_name, recorded_step, sha256_file, stale_latest, step_dir_name, verify)
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
@@ -183,7 +193,8 @@ def _agree(error: str | None, tmp: Path, step: int, root: Path) -> None:
     import socket
 
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else f"rank {dist.get_rank()} on {socket.gethostname()}: {error}")
+    dist.all_gather_object(errors,
+                           None if error is None else f"rank {dist.get_rank()} on {socket.gethostname()}: {error}")
     failed = [e for e in errors if e]
     if not failed:
         return
@@ -330,8 +341,9 @@ def load(strategy, ckpt: Path, world_size: int) -> dict:
     the trainer state.
 
     The strategy's own loader is used when it can read the files (same strategy and world size, or a
-    canonical, topology-free layout read by a strategy that writes one); otherwise the checkpoint is read as full fp32 tensors per parameter
-    (weights, AdamW moments and step, via zerodp.convert) and each rank keeps its own part."""
+    canonical, topology-free layout read by a strategy that writes one); otherwise the checkpoint is read
+    as full fp32 tensors per parameter (weights, AdamW moments and step, via zerodp.convert) and each
+    rank keeps its own part."""
     meta = read_meta(ckpt)
     same = meta["strategy"] == strategy.name and meta["world_size"] == world_size
     if same or meta.get("layout") == strategy.layout == "canonical":

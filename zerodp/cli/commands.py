@@ -97,13 +97,7 @@ def _dry_run(cfg, fresh: bool, given: dict) -> int:
     nothing."""
     from zerodp.config import dump_yaml, set_and_resolved
     from zerodp.planner import plan_for_training
-    from zerodp.trainer.preflight import (
-        Alone,
-        Machine,
-        device_memory,
-        micro_batch_line,
-        preflight,
-    )
+    from zerodp.trainer.preflight import Alone, Machine, device_memory, micro_batch_line, preflight
 
     machine = Machine.from_environment(cfg)
     rank0 = os.environ.get("RANK", "0") == "0"

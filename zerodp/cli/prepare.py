@@ -56,8 +56,8 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_prepare(args) -> int:
-    from zerodp.planner.units import parse_bytes  # the sizes --max-memory and --hbm take, no torch
     from zerodp.data.prepare import prepare
+    from zerodp.planner.units import parse_bytes  # the sizes --max-memory and --hbm take, no torch
 
     opts = PrepareOptions(inputs=list(args.inputs), tokenizer=args.tokenizer, out=args.out, field=args.field,
                           val_fraction=args.val_fraction, seed=args.seed, eot=args.eot,

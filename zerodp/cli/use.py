@@ -42,13 +42,15 @@ def add_parsers(subparsers) -> None:
                     "(temperature, then top-k; a seeded generator: the same command prints the same text). "
                     "Text is encoded and decoded with the run's tokenizer (bytes for a byte-level run).",
         epilog=GENERATE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g.add_argument("path", metavar="PATH", help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
+    g.add_argument("path", metavar="PATH",
+                   help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
     g.add_argument("--prompt", default=None,
                    help="text to continue (default: the start of a new document, as the end-of-run sample)")
     g.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
     g.add_argument("--temperature", type=float, default=0.8, metavar="T",
                    help="softmax temperature (default 0.8); 0 takes the most likely token every time")
-    g.add_argument("--top-k", type=int, default=50, metavar="K", help="sample among the K likeliest (default 50; 0: all)")
+    g.add_argument("--top-k", type=int, default=50, metavar="K",
+                   help="sample among the K likeliest (default 50; 0: all)")
     g.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: the run's train.seed)")
     _common(g)
     g.set_defaults(func=run_generate)
@@ -60,7 +62,8 @@ def add_parsers(subparsers) -> None:
                     "data.val_fraction of another source, cut into consecutive windows of model.block_size "
                     "tokens. The data is the run's own data.source unless an override names another.",
         epilog=EVAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("path", metavar="PATH", help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
+    e.add_argument("path", metavar="PATH",
+                   help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
     e.add_argument("overrides", nargs="*", metavar="data.KEY=VALUE",
                    help="data settings in place of the run's, e.g. data.source=DIR (a zerodp prepare folder)")
     e.add_argument("--batch-size", type=int, default=8, metavar="B", help="windows per forward (default 8)")

@@ -13,10 +13,32 @@ may import it.
 
 from zerodp.config.checks import batch_split, zeropp_refusal, zeropp_settings
 from zerodp.config.docs import FieldDoc, field_docs, format_field_docs
-from zerodp.config.loading import (apply_hf_config, dump_yaml, from_dict, load_config, parse_override, resolve_model,
-                                   set_and_resolved, take_prepared_vocab, user_settings)
-from zerodp.config.schema import (_SECTIONS, ARCHS, DECAY_SHAPES, PRECISIONS, SCHEDULES, STRATEGIES, CheckpointConfig,
-                                  Config, DataConfig, ModelConfig, OptimConfig, StrategyConfig, TrainConfig)
+from zerodp.config.loading import (
+    apply_hf_config,
+    dump_yaml,
+    from_dict,
+    load_config,
+    parse_override,
+    resolve_model,
+    set_and_resolved,
+    take_prepared_vocab,
+    user_settings,
+)
+from zerodp.config.schema import (
+    _SECTIONS,
+    ARCHS,
+    DECAY_SHAPES,
+    PRECISIONS,
+    SCHEDULES,
+    STRATEGIES,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    StrategyConfig,
+    TrainConfig,
+)
 from zerodp.errors import ConfigError, UserError
 
 __all__ = ["_SECTIONS", "ARCHS", "DECAY_SHAPES", "PRECISIONS", "SCHEDULES", "STRATEGIES", "CheckpointConfig", "Config",

@@ -40,7 +40,8 @@ def field_docs() -> list[FieldDoc]:
         for i, stmt in enumerate(body):
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
                 nxt = body[i + 1] if i + 1 < len(body) else None
-                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                if (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                        and isinstance(nxt.value.value, str)):
                     docs[(node.name, stmt.target.id)] = " ".join(nxt.value.value.split())
     out = []
     defaults = Config()

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from zerodp.config.checks import _one_of
-from zerodp.config.schema import ARCHS, _SECTIONS, Config, ModelConfig, _field_types, _section_types
+from zerodp.config.schema import _SECTIONS, ARCHS, Config, ModelConfig, _field_types, _section_types
 from zerodp.errors import ConfigError, UserError
 
 
@@ -82,7 +82,7 @@ def _numbers(value: Any) -> Any:
     if not isinstance(value, str) or not _NUMBER.fullmatch(value):
         return value
     number = float(value)
-    return int(number) if number.is_integer() and not ("." in value) else number
+    return int(number) if number.is_integer() and "." not in value else number
 
 
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")

@@ -9,12 +9,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from zerodp.strategies.catalog import CATALOG
 from zerodp.config.checks import _divisor_near, _non_negative, _one_of, _positive, batch_split, zeropp_refusal
 from zerodp.errors import ConfigError
+from zerodp.strategies.catalog import CATALOG
 
 STRATEGIES = (*CATALOG, "auto")  # zerodp.strategies.catalog: the one list of strategies
 from zerodp.models.arch import FAMILIES as ARCHS  # noqa: E402  (model.arch: the families zerodp.models registers)
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "wsd")
 """optim.schedule's names; zerodp.optim.schedules holds a function for each."""

@@ -1,6 +1,6 @@
 """Checkpoints that move: read any supported checkpoint as one canonical, streaming view, and write it
-as consolidated safetensors, as a Hugging Face model folder or as a zerodp checkpoint (canonical layout). No DeepSpeed import, no pickled
-code executed. See docs/checkpoints.md.
+as consolidated safetensors, as a Hugging Face model folder or as a zerodp checkpoint (canonical layout).
+No DeepSpeed import, no pickled code executed. See docs/checkpoints.md.
 
     src = open_checkpoint("runs/gpt/checkpoints")      # zerodp (any strategy), DeepSpeed, DCP, safetensors
     for name, kind, tensor in src.iter_tensors(("param", "exp_avg", "exp_avg_sq")): ...
@@ -15,7 +15,6 @@ training's save/load (zerodp.checkpoint.store) and strategies import it.
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from zerodp.errors import CheckpointError
@@ -43,8 +42,8 @@ FORMATS = ("zerodp", "deepspeed", "dcp", "safetensors")
 
 def detect_format(path: str | Path) -> tuple[str, Path]:
     """(format, the path to open) for a checkpoint file or folder; CheckpointError if none fits."""
-    from zerodp.convert.deepspeed_ckpt import find_deepspeed_dir
     from zerodp.checkpoint.manifest import resolve_step_folder as resolve_zerodp_root
+    from zerodp.convert.deepspeed_ckpt import find_deepspeed_dir
 
     path = Path(path)
     if not path.exists():
@@ -76,7 +75,8 @@ def open_checkpoint(path: str | Path, verify_deep: bool = False, hash_beside_rea
     checked before any tensor is read; a damaged file raises CheckpointError naming it. With
     hash_beside_reads the sha256 check runs in threads while tensors are read, and
     `source.confirm()` waits for it and raises (the writers call it before publishing). `hashing`: a
-    zerodp.checkpoint.manifest.BackgroundVerify already begun on the checkpoint's step folder, used instead of a new one."""
+    zerodp.checkpoint.manifest.BackgroundVerify already begun on the checkpoint's step folder, used instead
+    of a new one."""
     fmt, where = detect_format(path)
     if fmt == "zerodp":
         from zerodp.convert.zerodp_ckpt import ZerodpSource

@@ -27,7 +27,8 @@ def add_convert_parser(sub) -> None:
                                ".safetensors file or folder")
     p.add_argument("dst", help="output folder (created; must be new or empty, outside SRC, and not hold SRC)")
     p.add_argument("--to", default="safetensors", help="safetensors (default) | hf | zerodp")
-    p.add_argument("--dtype", default=None, help="safetensors/hf weights dtype: fp32 | bf16 | fp16 (default: as stored)")
+    p.add_argument("--dtype", default=None,
+                   help="safetensors/hf weights dtype: fp32 | bf16 | fp16 (default: as stored)")
     p.add_argument("--max-shard-size", default=None, help="split safetensors/hf output into shards, e.g. 5GB")
     p.add_argument("--config", default=None,
                    help="hf target: the zerodp config the weights were trained with, for a source that records "
@@ -140,9 +141,8 @@ def _say_what_resumes(dst: Path) -> None:
 
 
 def run_inspect(args) -> int:
-    from zerodp.convert.inspect import inspect_checkpoint
-
     from zerodp.convert import detect_format
+    from zerodp.convert.inspect import inspect_checkpoint
 
     detect_format(args.path)  # not a checkpoint at all: bad input (exit 2), not a damaged one (exit 1)
     lines, ok = inspect_checkpoint(args.path)

@@ -75,8 +75,10 @@ class DcpSource(CheckpointSource):
         steps = [self.step(n) for n in opt_params] if read_steps else [None]
         ranks = {m.group(1) for s in self.md.storage_data.values()
                  if (m := re.match(r"__(\d+)_\d+\.distcp$", s.relative_path))}
-        self.meta = {"tied": self._tied, "world_size": len(ranks) or None, "step": int(max(steps)) if steps and None not in steps else None,
-                     "dtype": ",".join(sorted({str(v.properties.dtype).replace("torch.", "") for v in tensors.values()}))}
+        self.meta = {"tied": self._tied, "world_size": len(ranks) or None,
+                     "step": int(max(steps)) if steps and None not in steps else None,
+                     "dtype": ",".join(sorted({str(v.properties.dtype).replace("torch.", "")
+                                               for v in tensors.values()}))}
 
     def _find_ties(self, opt_params: set[str]) -> None:
         by_shape: dict[tuple, list[str]] = {}

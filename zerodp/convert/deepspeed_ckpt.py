@@ -130,7 +130,8 @@ class DeepSpeedSource(CheckpointSource):
         if stage not in (1, 2, 3):
             raise CheckpointError(f"{self.optim_files[0]} has zero_stage {stage}; only ZeRO stages 1-3 are supported")
         self.stage, self.world = stage, world
-        model_file = found / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt")
+        model_file = found / ("zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3
+                              else "mp_rank_00_model_states.pt")
         if not model_file.is_file():
             raise CheckpointError(f"{model_file} is missing (DeepSpeed's model states file)")
         self.model_file = model_file
@@ -217,8 +218,8 @@ class DeepSpeedSource(CheckpointSource):
                             pieces += [(r, g, at, k) for g, at, k in self._overlaps(offset, take, gstarts)]
                         left -= take
                     self.pieces[name] = pieces
-                    self.group_of[name] = next(g for g in range(len(lengths[0])) if gstarts[g] <= offset < gstarts[g + 1]) \
-                        if n else 0
+                    self.group_of[name] = next(g for g in range(len(lengths[0]))
+                                               if gstarts[g] <= offset < gstarts[g + 1]) if n else 0
                     offset += part
             if offset != gstarts[-1]:
                 raise CheckpointError(f"{self.dir}: each rank holds {gstarts[-1]} elements but the parameters need "

@@ -10,8 +10,8 @@ import json
 import re
 from pathlib import Path
 
-from zerodp.errors import UserError
 from zerodp.checkpoint.safe_output import check_output
+from zerodp.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

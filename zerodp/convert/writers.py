@@ -20,14 +20,27 @@ from pathlib import Path
 
 import torch
 
-from zerodp.convert.source import (MOMENTS, CheckpointSource, FileRanges, TensorInfo, names_layout,
-                                  write_safetensors_file)
+from zerodp.checkpoint.safe_output import staged
+
 # check_destination, convert_output_kind and parse_size stay part of this module's API
 from zerodp.convert.destination import (  # noqa: F401
-    HF_CONFIG, INDEX, TOKENIZER_FILES, check_destination, convert_output_kind, parse_size)
+    HF_CONFIG,
+    INDEX,
+    TOKENIZER_FILES,
+    check_destination,
+    convert_output_kind,
+    parse_size,
+)
+from zerodp.convert.source import (
+    MOMENTS,
+    CheckpointSource,
+    FileRanges,
+    TensorInfo,
+    names_layout,
+    write_safetensors_file,
+)
 from zerodp.convert.stream import DEFAULT_WINDOW, read_ahead
 from zerodp.errors import CheckpointError, UserError
-from zerodp.checkpoint.safe_output import staged
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -177,9 +190,9 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     folder's config.json). A tied head is not written (HF re-ties it on load). dtype as for
     `write_safetensors`; config.json's torch_dtype names the embedding's."""
     from zerodp.config import ModelConfig
+    from zerodp.convert.full_state import FullState
     from zerodp.models.arch import arch_of
     from zerodp.models.hf import TRANSPOSE, hf_config_from_model, to_hf, transposed
-    from zerodp.convert.full_state import FullState
 
     dst = Path(dst)
     model = model or (source.meta.get("config") or {}).get("model")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from zerodp.checkpoint.manifest import META, BackgroundVerify, resolve_step_folder as resolve_zerodp_root  # noqa: F401
 from zerodp.convert.source import MOMENTS, CheckpointSource, FileRanges, SafetensorsFile, TensorInfo, check_kind
 from zerodp.errors import CheckpointError
-from zerodp.checkpoint.manifest import META, BackgroundVerify, resolve_step_folder as resolve_zerodp_root  # noqa: F401
 
 
 class ZerodpSource(CheckpointSource):

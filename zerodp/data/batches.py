@@ -30,16 +30,16 @@ import sys
 import sysconfig
 import threading
 import uuid
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 
 from zerodp.config import Config
-from zerodp.errors import UserError
 from zerodp.data.prepare import plural, prepared_meta  # train, sample and use take prepared_meta from here
+from zerodp.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".json", ".csv", ".html", ".tex")
 

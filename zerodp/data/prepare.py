@@ -41,8 +41,8 @@ import numpy as np
 from zerodp import __version__
 from zerodp.checkpoint.safe_output import check_output, staged
 from zerodp.config.sources import FORMAT, META, prepared_meta  # noqa: F401  (the folder's format: the config reads it too)
-from zerodp.data.sources import Source, _documents, find_sources  # noqa: F401
-from zerodp.data.tokenizer import Tok, load_tokenizer  # noqa: F401
+from zerodp.data.sources import Source, _documents, find_sources
+from zerodp.data.tokenizer import Tok, load_tokenizer
 from zerodp.errors import UserError
 
 FORMAT_VERSION, SPLITS = 1, ("train", "val")

@@ -114,4 +114,5 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return arch_of(cfg).param_shapes()
 
 
-__all__ = ["Arch", "FAMILY_PACKAGES", "GPT", "Llama", "Qwen3", "arch_of", "build_model", "compile_blocks", "construct", "materialise", "flops_per_token", "param_count", "param_shapes"]
+__all__ = ["Arch", "FAMILY_PACKAGES", "GPT", "Llama", "Qwen3", "arch_of", "build_model", "compile_blocks", "construct",
+           "materialise", "flops_per_token", "param_count", "param_shapes"]

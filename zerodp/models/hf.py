@@ -21,7 +21,7 @@ from pathlib import Path
 
 from zerodp.errors import UserError
 from zerodp.models.arch import FAMILIES, spec_of
-from zerodp.models.gpt2.spec import TRANSPOSE  # noqa: F401  (the one transform; re-exported)
+from zerodp.models.gpt2.spec import TRANSPOSE  # the one transform; re-exported
 from zerodp.models.llama.spec import BLOCK_SIZE as LLAMA_BLOCK_SIZE  # noqa: F401
 
 FAMILY_OF_TYPE = {kind: family for family in FAMILIES for kind in spec_of(family).MODEL_TYPES}

@@ -17,10 +17,22 @@ free. The CLI, the trainer and telemetry import it.
 from zerodp.planner.choose import Plan, choose
 from zerodp.planner.hardware import GPUS, Cluster, GpuSpec, gpu_preset
 from zerodp.planner.memory import (
-    Layout, MemoryEstimate, Workload, activation_bytes, engine_states, estimate, model_states,
+    Layout,
+    MemoryEstimate,
+    Workload,
+    activation_bytes,
+    engine_states,
+    estimate,
+    model_states,
 )
 from zerodp.planner.models import (
-    PRESETS, ModelSpec, gpt_param_count, preset, spec_from_arch, spec_from_hf_config, spec_from_model_config,
+    PRESETS,
+    ModelSpec,
+    gpt_param_count,
+    preset,
+    spec_from_arch,
+    spec_from_hf_config,
+    spec_from_model_config,
     spec_from_params,
 )
 from zerodp.planner.training import plan_for_training

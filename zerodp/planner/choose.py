@@ -20,8 +20,7 @@ from zerodp.planner.hardware import Cluster
 from zerodp.planner.memory import Layout, MemoryEstimate, Workload
 from zerodp.planner.models import ModelSpec
 from zerodp.planner.reasons import reasons, suggest
-from zerodp.planner.rows import TIE, divisors, pick, row, search
-from zerodp.planner.rows import layouts as all_layouts
+from zerodp.planner.rows import TIE, divisors, layouts as all_layouts, pick, row, search
 from zerodp.strategies.catalog import spec
 
 __all__ = ["Plan", "TIE", "check_global_batch", "choose", "pick"]

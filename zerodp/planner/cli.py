@@ -53,7 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     h.add_argument("--hbm", metavar="SIZE", help="memory per GPU, e.g. 80GB (80e9 bytes) or 80GiB; overrides --gpu's")
     h.add_argument("--cpu-ram", metavar="SIZE",
                    help="CPU memory per node, for offloaded states and the start-up peak, e.g. 512GB")
-    h.add_argument("--interconnect", metavar="LINK", help="the slowest link: on one node between its GPUs (nvlink, pcie), across nodes "
+    h.add_argument("--interconnect", metavar="LINK",
+                   help="the slowest link: on one node between its GPUs (nvlink, pcie), across nodes "
                    "between the nodes, all NICs of a node together (infiniband, infiniband-rail, ethernet); "
                    "default nvlink on one node, infiniband across nodes")
     h.add_argument("--mfu", type=float, default=MFU, help=f"model FLOPs utilisation assumed (default {MFU})")

@@ -21,8 +21,7 @@ from pathlib import Path
 
 from zerodp.errors import UserError
 from zerodp.models.arch import Arch, spec_of
-from zerodp.models.hf import FAMILY_OF_TYPE, REQUIRED, config_int
-from zerodp.models.hf import read_hf_config as _read
+from zerodp.models.hf import FAMILY_OF_TYPE, REQUIRED, config_int, read_hf_config as _read
 from zerodp.models.llama.spec import planner_arch as llama_layout
 
 PLANNER_ONLY = ("gemma", "gemma2", "phi3", "mixtral", "qwen2_moe")

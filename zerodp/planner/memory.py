@@ -245,7 +245,7 @@ def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
     the model on the meta device and materialises only what the rank keeps, initialised in chunks of
     its own range (negligible); loading a checkpoint reads one full fp32 tensor at a time into host
     memory (4 * largest_param, counted for every row: a run may resume). docs/memory_model.md, "Start-up"."""
-    P, n, s, w = model.params, layout.cluster.world_size, layout.spec.startup, layout.workload
+    P, s, w = model.params, layout.spec.startup, layout.workload
     c, shard = COMPUTE_BYTES[w.precision], math.ceil(model.params / layout.cluster.world_size)
     oo, op, load = layout.offload_optimizer, layout.offload_params, 4 * model.largest_param
     master = 4 * shard  # DeepSpeed's fp32 master partition

@@ -145,7 +145,8 @@ class PeerWatch:
         self.dead_s = peer_dead_s(timeout_s)
         self.beat_s = min(2.0, self.dead_s / 10)
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.checkpoints = checkpoints or NoCheckpoints()  # busy while one is written; the newest, named when leaving blocked
+        # busy while one is written; the newest, named when leaving blocked
+        self.checkpoints = checkpoints or NoCheckpoints()
         self.step, self.step_at = 0, time.monotonic()
         self.slowest_step_s: float | None = None
         self._stop = threading.Event()

@@ -21,8 +21,9 @@ import torch
 
 class StragglerMonitor:
     """Flags a rank whose step time exceeds the median of the *other* ranks' by `margin` (and by at
-    least MIN_EXCESS_S) for `patience` consecutive steps: sustained, not a spike (a busy host's noise comes and goes). Each rank is
-    reported once per slow spell, again only after it recovered and slowed down anew.
+    least MIN_EXCESS_S) for `patience` consecutive steps: sustained, not a spike (a busy host's noise
+    comes and goes). Each rank is reported once per slow spell, again only after it recovered and
+    slowed down anew.
 
     The other ranks' median, not all ranks': with two ranks the median of both is their mean, which
     would halve how much slower the slow one looks."""
@@ -53,7 +54,9 @@ class StragglerMonitor:
             self.streak[r] = self.streak.get(r, 0) + 1 if slow else 0
             if self.streak[r] != self.patience:
                 continue
-            rest = lambda xs: statistics.median(xs[:r] + xs[r + 1:])
+            def rest(xs):  # the median of the other ranks' values
+                return statistics.median(xs[:r] + xs[r + 1:])
+
             excess_data = data_wait[r] - rest(data_wait)
             excess_compute = compute[r] - rest(compute)
             cause = "data loading stall" if excess_data > excess_compute else "slow compute"

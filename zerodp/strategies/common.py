@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from zerodp.convert.full_state import FullState  # noqa: F401  (what load_full receives)
+from zerodp.convert.full_state import FullState  # what load_full receives
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

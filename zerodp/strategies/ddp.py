@@ -18,8 +18,17 @@ from torch.nn.parallel import DistributedDataParallel
 from zerodp.models import materialise
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.common import (FullState, autocast_context, grad_scale, load_full_replicated, load_replicated,
-                                      local_grad_norms, replicated_state_bytes, replicated_step, save_replicated)
+from zerodp.strategies.common import (
+    FullState,
+    autocast_context,
+    grad_scale,
+    load_full_replicated,
+    load_replicated,
+    local_grad_norms,
+    replicated_state_bytes,
+    replicated_step,
+    save_replicated,
+)
 
 
 class DDPStrategy:

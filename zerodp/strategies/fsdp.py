@@ -35,8 +35,15 @@ from zerodp.convert.safeload import safe_dcp_planner, safe_dcp_reader
 from zerodp.errors import CheckpointError, UserError
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.common import (DTYPES, FullState, grad_scale, local_grad_norms, optimizer_state_tensors, set_lr,
-                                      tensor_bytes)
+from zerodp.strategies.common import (
+    DTYPES,
+    FullState,
+    grad_scale,
+    local_grad_norms,
+    optimizer_state_tensors,
+    set_lr,
+    tensor_bytes,
+)
 
 CKPT_FORMAT = 1
 DCP_DIR = "dcp"  # torch.distributed.checkpoint folder inside the checkpoint

@@ -25,8 +25,8 @@ from zerodp.config import Config
 from zerodp.errors import UserError
 from zerodp.optim import adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.deepspeed_config import deepspeed_config  # noqa: F401  (tests and benchmarks read it here)
 from zerodp.strategies.common import FullState, local_grad_norms, optimizer_state_tensors, set_lr, tensor_bytes
+from zerodp.strategies.deepspeed_config import deepspeed_config  # tests and benchmarks read it here too
 from zerodp.strategies.zeropp import check_quantizer, drop_secondary_partitions, hpz_group, ranks_per_node
 
 TAG = "deepspeed"
@@ -184,8 +184,8 @@ class ZeroStrategy:
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of the distinct storages this rank holds, found by walking the module's parameters
-        (their data, ZeRO-3 `ds_tensor` partitions, hpZ's secondary ones, and grads), every tensor attribute of DeepSpeed's
-        ZeRO optimizer (named by `_kind`) and the AdamW state. A storage is counted once, under the
+        (their data, ZeRO-3 `ds_tensor` partitions, hpZ's secondary ones, and grads), every tensor attribute of
+        DeepSpeed's ZeRO optimizer (named by `_kind`) and the AdamW state. A storage is counted once, under the
         first of params, optim, buckets, grads, buffers that reaches it: a gradient copied into a
         reduce bucket counts as the bucket, so 'grads' is the gradients themselves and 'buckets' is what
         the planner calls bucket_bytes. Tensors offloaded to CPU memory count too (see

@@ -13,11 +13,7 @@ from zerodp.distributed.process_group import DistEnv
 from zerodp.errors import PeerFailure
 from zerodp.resilience.peers import Checkpoints, Heartbeat, PeerWatch
 from zerodp.resilience.preemption import Preemption
-from zerodp.resilience.stragglers import (
-    DeviceProbe,
-    StragglerMonitor,
-    compute_from_probe,
-)
+from zerodp.resilience.stragglers import DeviceProbe, StragglerMonitor, compute_from_probe
 from zerodp.trainer.records import log
 
 
@@ -76,7 +72,8 @@ class Guards:
         """The time the job waited for its slowest rank, and the stragglers named, at the end of the run."""
         env, stragglers = self.env, self.stragglers
         if stragglers.waited_s > 0 and env.world_size > 1:
-            named = ", ".join(f"rank {r} on {env.hosts[r]} ({cause})" for r, cause in sorted(stragglers.reported.items()))
+            named = ", ".join(f"rank {r} on {env.hosts[r]} ({cause})"
+                              for r, cause in sorted(stragglers.reported.items()))
             log(env, f"time spent waiting for the slowest rank: {stragglers.waited_s:.1f}s"
                      + (f"; stragglers: {named}" if named else ""))
 

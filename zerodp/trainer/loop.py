@@ -19,11 +19,7 @@ from zerodp.checkpoint.checkpointer import Checkpointer
 from zerodp.config import Config, dump_yaml
 from zerodp.data.batches import TokenBatches, prefetch, prepared_meta
 from zerodp.distributed import determinism
-from zerodp.distributed.process_group import (
-    DistEnv,
-    all_gather_floats,
-    init_distributed,
-)
+from zerodp.distributed.process_group import DistEnv, all_gather_floats, init_distributed
 from zerodp.models import build_model, compile_blocks, param_count
 from zerodp.optim.schedules import lr_at
 from zerodp.resilience.preemption import Preemption
@@ -38,7 +34,7 @@ from zerodp.trainer.preflight import (
     device_memory,
     micro_batch_line,
     preflight,
-    resolve_strategy,
+    resolve_strategy,  # noqa: F401  (tests and the config's docs name it here)
 )
 from zerodp.trainer.records import Records, log
 from zerodp.trainer.sample import sample
@@ -231,7 +227,8 @@ class Steps:
         self.guards.watch.step_done(pending[-1].step, time.perf_counter() - t_end)
         new = []
         for p, per_rank in zip(pending, per_step):
-            record = self.records.measure(p, per_rank, sync_wait if p is pending[-1] else 0.0, step_comm.pop(p.step, {}))
+            record = self.records.measure(p, per_rank, sync_wait if p is pending[-1] else 0.0,
+                                          step_comm.pop(p.step, {}))
             found = self.guards.find_stragglers(per_rank)
             if found:
                 record["stragglers"] = found

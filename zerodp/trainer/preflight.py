@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from zerodp.config import Config
-from zerodp.strategies.catalog import CATALOG
 from zerodp.data.batches import TokenBatches, describe_prepared, load_tokens
 from zerodp.errors import UserError
+from zerodp.strategies.catalog import CATALOG
 from zerodp.telemetry import loggers
 from zerodp.trainer.start import StartPlan, plan_start
 

@@ -9,9 +9,8 @@ materialise."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F

@@ -15,7 +15,7 @@ ifeq ($(HAS_GPU),)
 TORCH_PIN := torch==2.13.0
 endif
 
-.PHONY: install quickstart lint test bench clean
+.PHONY: install quickstart lint test test-fast bench clean
 
 install: $(VENV)/.installed
 
@@ -35,8 +35,13 @@ quickstart: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# Both tiers: tests/unit (no process group, no training) and tests/distributed (real process groups).
 test: install lint
 	$(PY) -m pytest -q tests
+
+# The unit tier alone: the inner loop while changing code.
+test-fast: install
+	$(PY) -m pytest -q tests/unit
 
 bench: install
 	$(PY) benchmarks/strategy_overhead.py

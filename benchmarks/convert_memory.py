@@ -4,7 +4,7 @@ Writes, with plain programs on 2 gloo processes (no zerodp code), a model much l
 shard size: (a) a DeepSpeed ZeRO-2 checkpoint (`deepspeed.initialize`, fp32, AdamW, 2 steps) and
 (b) a torch.distributed.checkpoint folder (`fully_shard` + `get_state_dict` + `dcp.save`, model and
 optimizer). Then runs `zerodp convert` on each, to safetensors shards and to a zerodp checkpoint, in a
-child process that records its peak RSS growth after its imports (as tests/test_convert_memory.py
+child process that records its peak RSS growth after its imports (as tests/distributed/test_convert_memory.py
 does: reset VmHWM through /proc/self/clear_refs once torch and zerodp are loaded, read it at the end).
 The parent also samples the child's RssAnon (heap) and RssFile (mapped file pages) every ~2 ms, so a
 peak made of memory-mapped checkpoint pages can be told from one made of materialised tensors.
@@ -297,7 +297,8 @@ def main() -> None:
            "anon+", "file+", "bound", "ok", "anon ok", "secs"]
     print(f"\nsizes in MiB. peak RSS+ = VmHWM growth after imports, each run (ascending); anon+ / file+ = sampled "
           f"peak growth of RssAnon / RssFile in the worst run; bound = shard + largest tensor; ok = worst peak "
-          f"RSS+ < bound + {SLACK_MIB} MiB slack (as tests/test_convert_memory.py); anon ok = the same for anon+. "
+          f"RSS+ < bound + {SLACK_MIB} MiB slack (as tests/distributed/test_convert_memory.py); "
+          f"anon ok = the same for anon+. "
           f"malloc thr=1MiB: MALLOC_MMAP_THRESHOLD_=1048576 (freed tensors go back to the OS at once).")
     widths = [max(len(str(x)) for x in col) for col in zip(hdr, *rows)]
     for r in [hdr] + rows:

@@ -19,7 +19,7 @@ built-in corpus; train.deterministic=true throughout):
                                   training peak
 On 2+ GPUs (world 2, nccl):
   equivalence <strategy>          ddp, zero1, zero2, zero3, fsdp in fp32 against single on 1 GPU: losses
-                                  and final weights within 1e-4 after 8 steps (tests/test_equivalence.py)
+                                  and final weights within 1e-4 after 8 steps (tests/distributed/test_equivalence.py)
   killed rank                     torchrun --max-restarts 1, ddp; one worker SIGKILLed after step 3: the
                                   run restarts, resumes and ends with the losses and weights of the
                                   uninterrupted ddp run, bit for bit

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import gpu_skip_reason, pin_cpu
+from tests.support.harness import gpu_skip_reason, pin_cpu
 
 # Tokenized-data cache shared by the test processes (and their children) of one session.
 os.environ.setdefault("ZERODP_CACHE", str(Path(tempfile.gettempdir()) / "zerodp-test-cache"))
@@ -16,7 +16,7 @@ pin_cpu(os.environ)
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu(n): needs n GPUs (default 1); skipped on a machine with fewer. Its processes see the "
-                   "machine's GPUs through tests.harness.gpu_env / run_distributed(device='cuda')")
+                   "machine's GPUs through tests.support.harness.gpu_env / run_distributed(device='cuda')")
 
 
 def pytest_runtest_setup(item):

@@ -9,7 +9,7 @@ Imports neither torch nor deepspeed: the planner reads it instantly.
 The families zerodp builds and trains (`FAMILIES`) are the registered ones: gpt2, llama (Llama 2/3,
 Mistral, Qwen2) and qwen3. Five more the planner counts but zerodp does not build (`PLANNER_FAMILIES`;
 `arch_of` refuses them), each with the names and shapes transformers gives its parameters
-(tests/test_planner_hf.py compares); all five have llama's layout and llama's spec describes them:
+(tests/unit/test_planner_hf.py compares); all five have llama's layout and llama's spec describes them:
 - `gemma`: llama's layout (its GeGLU and (1 + w) norms change no shape); head_dim is free (256).
 - `gemma2`: gemma plus two more norms per block (pre_feedforward_layernorm, post_feedforward_layernorm).
 - `phi3`: llama with q, k, v fused into one qkv_proj and gate, up into one gate_up_proj (same counts).
@@ -176,7 +176,7 @@ def arch_of(model_cfg) -> Arch:
 
 
 # ModelConfig's defaults for the keys a model section may lack (checkpoints saved before a key existed);
-# tests/test_model.py pins that they equal zerodp.config.ModelConfig's.
+# tests/unit/test_model.py pins that they equal zerodp.config.ModelConfig's.
 SECTION_DEFAULTS = {"arch": "gpt2", "n_kv_head": None, "head_dim": None, "intermediate_size": None, "bias": None,
                     "qkv_bias": False, "tie_embeddings": None, "norm_eps": 1e-5, "rope_theta": 10000.0,
                     "rope_scaling": {}, "dropout": 0.0, "block_size": 128}

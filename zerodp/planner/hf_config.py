@@ -4,14 +4,14 @@
 mistral and qwen2; qwen3), through the family's own `planner_arch` (zerodp/models/<family>/spec.py),
 and five it only plans (gemma, gemma2, phi3, and the mixtures of experts mixtral and qwen2_moe; see
 zerodp/models/arch.py), read here. A key the file leaves out takes the default transformers'
-configuration class gives it, so the count is the one `from_config` builds (tests/test_planner_hf.py
+configuration class gives it, so the count is the one `from_config` builds (tests/unit/test_planner_hf.py
 builds each under torch.device("meta") and compares every name and shape). Imports neither torch nor
 transformers.
 
 zerodp.models.hf.model_config_from_hf maps the trainable types to a `model:` section, refusing what
 zerodp cannot train exactly (Llama's attention_bias/mlp_bias, other activations, a sliding window
 shorter than the context, YaRN rope) and capping the context at 4096; the planner must still count
-those, so it reads them here, and tests/test_planner_hf.py pins that both give the same shapes
+those, so it reads them here, and tests/unit/test_planner_hf.py pins that both give the same shapes
 wherever the trainable mapping accepts a config.
 """
 

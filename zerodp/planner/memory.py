@@ -194,7 +194,7 @@ def _per_gpu(params: int, world_size: int, s: StrategySpec, nbytes: tuple[int, i
 
 def engine_states(params: int, world_size: int, strategy: str, precision: str) -> tuple[int, int, int, int]:
     """(params, grads, optimizer, engine_master) bytes per GPU as zerodp's engines hold them, measured
-    by tests/test_planner_validation.py. The first three always add up to `model_states`; mixed
+    by tests/distributed/test_planner_validation.py. The first three always add up to `model_states`; mixed
     precision splits them differently per engine:
 
     * ddp/single: autocast over fp32 parameters, which are the master weights: 4P, 4P (fp32 grads), 8P.

@@ -113,7 +113,7 @@ def llama_spec(name: str, hidden: int, n_layer: int, n_head: int, kv_heads: int,
 
 
 # Published shapes: each family's PRESETS (zerodp/models/<family>/spec.py), then the planner-only
-# relatives of llama's layout. Counts are pinned in tests/test_planner.py, and tests/test_planner_hf.py
+# relatives of llama's layout. Counts are pinned in tests/unit/test_planner.py, and tests/unit/test_planner_hf.py
 # checks each against what transformers builds from the same numbers.
 _PRESET_ARCHS = {
     **{name: make for family in FAMILY_PACKAGES for name, make in spec_of(family).PRESETS.items()},

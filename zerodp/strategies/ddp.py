@@ -97,7 +97,7 @@ def _mean_allreduce(process_group, bucket):  # unannotated: DDP rejects the stri
     """What DDP's reducer does without a hook, issued from Python: scale the bucket (a dist.GradBucket)
     by 1/N (the reducer multiplies each new gradient by 1/N as it copies it into the bucket, and
     zero_grad(set_to_none=True) makes every step's gradient new), then sum it over the ranks: the same
-    bits (tests/test_equivalence.py). torch's stock allreduce_hook divides by N instead, which at N = 3
+    bits (tests/distributed/test_equivalence.py). torch's stock allreduce_hook divides by N instead, which at N = 3
     differs in the last bit."""
     group = process_group if process_group is not None else dist.group.WORLD
     tensor = bucket.buffer().mul_(1.0 / group.size())

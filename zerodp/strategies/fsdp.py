@@ -205,7 +205,7 @@ class FSDPStrategy:
         params = list(self.model.parameters())
         # FSDP2 keeps accumulated gradients on its private FSDPParam objects (no public accessor): in
         # `unsharded_accumulated_grad` when reduce_dtype differs from param_dtype, else on the
-        # unsharded parameter's .grad. tests/test_planner_validation.py notices if torch moves them.
+        # unsharded parameter's .grad. tests/distributed/test_planner_validation.py notices if torch moves them.
         accumulated = []
         for unit in [*self.model.blocks(), self.model]:
             group = unit._get_fsdp_state()._fsdp_param_group

@@ -9,7 +9,7 @@ then broadcast from rank 0, so the ranks' sequences, and so their forwards, neve
 
 Sampling is DecoderLM.generate's (temperature 0.8, top-k 50, one multinomial draw per token, on the
 CPU from a generator seeded with train.seed): the same weights give the same tokens as `generate`
-on one process after `torch.manual_seed(train.seed)` (tests/test_sample.py).
+on one process after `torch.manual_seed(train.seed)` (tests/distributed/test_sample.py).
 
 Text: for a `zerodp prepare` folder the sample is decoded with the tokenizer meta.json names (after its
 sha256 is checked; a tokenizer gone or changed gives the ids with a note saying why) and the prompt is

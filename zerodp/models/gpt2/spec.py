@@ -138,7 +138,7 @@ def gpt2_arch(n_layer: int, n_head: int, n_embd: int, vocab_size: int = 50257, n
                 vocab_size, n_positions, bias, False, tied)
 
 
-# Published shapes (the models' config.json files); counts pinned in tests/test_planner.py.
+# Published shapes (the models' config.json files); counts pinned in tests/unit/test_planner.py.
 PRESETS = {
     "gpt2": lambda: gpt2_arch(12, 12, 768),
     "gpt2-medium": lambda: gpt2_arch(24, 16, 1024),

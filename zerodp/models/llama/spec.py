@@ -208,8 +208,8 @@ def llama_arch(hidden: int, n_layer: int, n_head: int, kv_heads: int, ffn: int, 
                 False, extra.pop("qkv_bias", False), tied, **extra)
 
 
-# Published shapes (the models' config.json files); counts pinned in tests/test_planner.py, and
-# tests/test_planner_hf.py checks each against what transformers builds from the same numbers.
+# Published shapes (the models' config.json files); counts pinned in tests/unit/test_planner.py, and
+# tests/unit/test_planner_hf.py checks each against what transformers builds from the same numbers.
 PRESETS = {
     "llama2-7b": lambda: llama_arch(4096, 32, 32, 32, 11008, 32000, 4096),
     "llama2-13b": lambda: llama_arch(5120, 40, 40, 40, 13824, 32000, 4096),

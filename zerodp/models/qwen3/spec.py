@@ -61,7 +61,7 @@ def planner_arch(given: dict, kind: str, get) -> Arch:
     return llama.planner_arch(given, kind, get, family="qwen3")
 
 
-# Published shapes (the models' config.json files); tests/test_planner_hf.py compares with transformers.
+# Published shapes (the models' config.json files); tests/unit/test_planner_hf.py compares with transformers.
 PRESETS = {
     "qwen3-0.6b": lambda: llama.llama_arch(1024, 28, 16, 8, 3072, 151936, 40960, tied=True, head_dim=128,
                                            family="qwen3"),

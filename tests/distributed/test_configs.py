@@ -1,0 +1,66 @@
+"""Every file in configs/ is a config `zerodp train --dry-run` accepts, and its header comment says how
+to launch it and what its global batch is, with arithmetic that agrees with the file.
+
+A config that trains on a token file of its own (gpt2-124m, llama3-8b) dry-runs on a small .bin made
+here in its data.token_dtype, with ids below its vocab_size: the dry run reads the data as a launch
+would, and none of those files ship with the repository.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from tests.distributed.test_cli import zerodp
+from tests.support.harness import ROOT
+from zerodp.config import load_config
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+# "Global batch: 12 micro x 8 GPUs x 5 accumulation = 480 sequences x 1,024 tokens = 491,520 tokens/step"
+BATCH = re.compile(r"Global batch: (\d+) micro x (\d+) (?:GPUs|processes) x (\d+) accumulation = ([\d,]+) sequences "
+                   r"x ([\d,]+) tokens = ([\d,]+) tokens/step")
+
+
+def number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def header(path) -> str:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return "\n".join(line.removeprefix("#").strip() for line in lines[:next(
+        i for i, line in enumerate(lines) if not line.startswith("#"))])
+
+
+def test_the_configs_are_found():
+    assert {"tiny", "gpt2-124m", "llama-tiny", "llama3-8b"} <= {p.stem for p in CONFIGS}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_dry_runs(path, tmp_path):
+    cfg = load_config(path)
+    over = [f"train.out_dir={tmp_path / 'run'}"]
+    if cfg.data.source.endswith(".bin"):
+        # enough for both splits of the longest block (llama3-8b's 8,192: val is data.val_fraction=5%)
+        tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, 200_000)
+        tokens.astype(cfg.data.token_dtype).tofile(tmp_path / "train.bin")
+        over.append(f"data.source={tmp_path / 'train.bin'}")
+    r = zerodp("train", path, *over, "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert f"arch: {cfg.model.arch}" in r.stdout and "# world_size 1, grad_accum_steps" in r.stdout
+    if cfg.strategy.name != "auto":  # auto: the planner's choice on this machine
+        assert f", strategy {cfg.strategy.name}" in r.stdout
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_config_header_has_launch_line_and_batch_arithmetic(path):
+    text, cfg = header(path), load_config(path)
+    assert f"--module zerodp train configs/{path.name}" in text, f"{path.name}: no launch line in the header"
+    m = BATCH.search(text.replace("\n", " "))
+    assert m, f"{path.name}: the header lacks 'Global batch: M micro x N GPUs x A accumulation = ...'"
+    micro, world, accum, seqs, seq_len, tokens = (number(g) for g in m.groups())
+    assert micro == cfg.train.micro_batch_size and seqs == cfg.train.global_batch_size, path.name
+    assert cfg.check_batch_split(world) == accum and micro * world * accum == seqs, path.name
+    assert seq_len == cfg.model.block_size and seqs * seq_len == tokens, path.name

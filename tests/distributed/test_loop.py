@@ -1,0 +1,107 @@
+"""The loop waits for the device only at its sync points (every train.log_every steps, checkpoints,
+validations, the last step), yet metrics.jsonl gets every step; tokens/s, MFU and the run summary
+follow from the records by their definitions."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import run_distributed
+
+SYNCS = ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy")
+
+
+def count_syncs(overrides: list[str]) -> dict:
+    """Train with every host sync zerodp's own code makes counted by the step it happens in: the tensor
+    methods that bring a value to the host, torch.cuda.synchronize, and the loop's all-gather. Calls
+    from torch's or DeepSpeed's own code (AdamW reads its CPU step counter with .item()) are theirs."""
+    import torch
+
+    import zerodp.telemetry.step_metrics
+    import zerodp.trainer.loop
+    from zerodp.config import load_config
+
+    package = str(Path(zerodp.trainer.loop.__file__).parent.parent)  # the whole zerodp package
+    state = {"step": 0}
+    seen: list[tuple[int, str, str]] = []  # (step, call, caller's file)
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(package):
+                seen.append((state["step"], name, Path(caller).name))
+            return real(*args, **kwargs)
+        return call
+
+    for name in SYNCS:
+        setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    torch.cuda.synchronize = counted("synchronize", torch.cuda.synchronize)
+    zerodp.telemetry.step_metrics.all_gather_floats = counted("all_gather",
+                                                              zerodp.telemetry.step_metrics.all_gather_floats)
+    real_step = zerodp.trainer.loop.train_step
+
+    def numbered_step(*args, **kwargs):  # what follows belongs to this step, up to the next one
+        state["step"] += 1
+        return real_step(*args, **kwargs)
+
+    zerodp.trainer.loop.train_step = numbered_step
+    cfg = load_config(None, overrides)
+    summary = zerodp.trainer.loop.train(cfg, fresh=True)
+    records = [json.loads(x) for x in (Path(cfg.train.out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {"seen": seen, "records": records, "run": summary["run"]}
+
+
+def test_no_host_sync_between_log_steps_and_every_step_recorded(tiny, tmp_path):
+    over = tiny + ["strategy.name=single", "train.max_steps=12", "train.log_every=5", "checkpoint.every=6",
+                   "train.eval_every=0", "train.peak_tflops=0.5", f"train.out_dir={tmp_path}"]
+    res = run_distributed("tests.distributed.test_loop:count_syncs", 1, {"overrides": over})[0]
+    in_steps = [tuple(s) for s in res["seen"] if s[0] > 0]  # after start-up
+    # log steps 5 and 10, the checkpoint at 6 and the last step 12; nothing anywhere else
+    assert {step for step, _, _ in in_steps} == {5, 6, 10, 12}, in_steps
+    assert [step for step, name, _ in in_steps if name == "all_gather"] == [5, 6, 10, 12]
+    # one device fetch per sync point: the interval's losses and grad norms stacked
+    fetches = [step for step, name, where in in_steps if name == "tolist" and where == "step_metrics.py"]
+    assert fetches == [5, 6, 10, 12], in_steps
+
+    records, run = res["records"], res["run"]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    assert len({r["loss"] for r in records}) == 12
+    assert [r["sync_wait_s"] > 0 for r in records] == [r["step"] in (5, 6, 10, 12) for r in records]
+    from zerodp.config import load_config
+    from zerodp.models import flops_per_token
+
+    cfg = load_config(None, over)
+    tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
+    for r in records:
+        step_s = r["max_step_time_s"] + r["sync_wait_s"]
+        assert r["tokens_per_s"] == pytest.approx(tokens_per_step / step_s)
+        assert r["tokens_per_s_per_device"] == r["tokens_per_s"]  # one process
+        assert r["mfu"] == pytest.approx(flops_per_token(cfg.model) * r["tokens_per_s"] / 0.5e12)
+        assert r["tokens"] == r["step"] * tokens_per_step
+    median = statistics.median(r["max_step_time_s"] + r["sync_wait_s"] for r in records)
+    assert run["steps"] == 12
+    assert run["median_step_s"] == pytest.approx(median)
+    assert run["tokens_per_s"] == pytest.approx(tokens_per_step / median)
+    assert run["mfu"] == pytest.approx(flops_per_token(cfg.model) * tokens_per_step / median / 0.5e12)
+    assert run["data_wait_s"] == pytest.approx(sum(r["data_wait_s"] for r in records))
+    assert run["checkpoint_save_s"] > 0  # steps 6 and 12 saved
+    # the gradient noise scale (6 micro batches of 2 against the global 12) came with the same fetches
+    noise = [r["grad_noise_scale"] for r in records if "grad_noise_scale" in r]
+    assert noise and records[-1]["grad_noise_scale"] == run["grad_noise_scale"]
+    assert all(n["sequences"] > 0 and n["tokens"] == pytest.approx(n["sequences"] * cfg.model.block_size)
+               for n in noise)
+
+
+def test_no_mfu_on_a_cpu_without_a_peak():
+    import torch
+
+    from zerodp.config import load_config
+    from zerodp.telemetry.step_metrics import peak_flops
+
+    assert peak_flops(load_config(None, []), torch.device("cpu")) == (None, "")
+    assert peak_flops(load_config(None, ["train.peak_tflops=312"]), torch.device("cpu")) == (312e12, "")

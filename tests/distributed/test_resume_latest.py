@@ -1,0 +1,134 @@
+"""Which checkpoint a run continues from, and what a run that starts over keeps: one rule for resume,
+retention, `zerodp inspect` and `--dry-run` (the checkpoint `latest` names when it is intact, else the
+newest intact one by the step its meta.json records, never by folder name), an import refused when its
+folder is named for another step, and `--fresh` moving the whole earlier run aside. Through the
+command line, as a user runs it (the README's import recipe)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.test_cli import one_line_error, zerodp
+from tests.support.harness import ROOT
+
+SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "data.max_bytes=200000",
+         "data.prefetch=0", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0",
+         "train.sample_tokens=0", "train.progress=false", "strategy.name=single", "checkpoint.every=1"]
+
+
+def train(out: Path, *extra, fresh=False):
+    r = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={out}", *extra,
+               *(["--fresh"] if fresh else []))
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def resumed_at(r) -> tuple[str, int] | None:
+    """(checkpoint folder name, step) from a run's or a dry run's "resuming from" line."""
+    m = re.search(r"resuming from \S*/(step_\d{8}) at step (\d+)", r.stdout + r.stderr)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def inspected_step(path: Path) -> int:
+    r = zerodp("inspect", path)
+    assert r.returncode == 0, r.stderr
+    return int(re.search(r"^step:\s+(\d+)", r.stdout, re.M).group(1))
+
+
+def steps(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir() if re.fullmatch(r"step_\d{8}", p.name))
+
+
+def latest(out: Path) -> str:
+    return (out / "checkpoints" / "latest").read_text().strip()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """A finished 2-step run: the checkpoint the README's recipe imports (step 2)."""
+    out = tmp_path_factory.mktemp("source") / "run"
+    train(out, "train.max_steps=2", "checkpoint.every=2")
+    return out
+
+
+def test_import_into_a_folder_named_for_another_step_is_refused(source, tmp_path):
+    dst = tmp_path / "new" / "checkpoints" / "step_00001000"
+    r = zerodp("convert", source, dst, "--to", "zerodp", "--no-progress")
+    one_line_error(r, r"step_00001000 is named for step 1000 but the source records step 2: name it "
+                      r"\S*/checkpoints/step_00000002, or pass --step 1000")
+    assert not (tmp_path / "new").exists()  # nothing written
+    r = zerodp("convert", source, dst, "--to", "zerodp", "--step", "1000", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((dst / "meta.json").read_text())["step"] == 1000
+
+
+def test_resume_follows_latest_and_the_recorded_step_never_the_folder_name(source, tmp_path):
+    """The README's recipe, then a folder an earlier version named for another step: every reader agrees
+    on the checkpoint `latest` names, and nothing newer is lost or deleted."""
+    run = tmp_path / "new"
+    imported = run / "checkpoints" / "step_00000002"
+    r = zerodp("convert", source, imported, "--to", "zerodp", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert resumed_at(train(run, "train.max_steps=4", "checkpoint.keep_last=3")) == ("step_00000002", 2)
+    assert latest(run) == "step_00000004" and steps(run) == ["step_00000002", "step_00000003", "step_00000004"]
+    # What earlier versions let an import make: a folder named for a later step than it holds.
+    shutil.copytree(imported, run / "checkpoints" / "step_00001000")
+    assert inspected_step(run) == 4
+    assert resumed_at(zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}",
+                             "train.max_steps=6", "--dry-run")) == ("step_00000004", 4)
+    assert resumed_at(train(run, "train.max_steps=6", "checkpoint.keep_last=3")) == ("step_00000004", 4)
+    # Retention counts by recorded step: the two step-2 folders are the oldest, whatever their names.
+    assert latest(run) == "step_00000006" and steps(run) == ["step_00000004", "step_00000005", "step_00000006"]
+    assert resumed_at(train(run, "train.max_steps=7")) == ("step_00000006", 6)
+    # An import older than `latest` is said to be passed over, with the way to choose it.
+    r = zerodp("convert", source, run / "checkpoints" / "step_00000002", "--to", "zerodp", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert f"resumes from step_00000007 (step 7: `latest` names it), not from this import; to resume from it: " \
+           f"echo step_00000002 > {run / 'checkpoints' / 'latest'}" in r.stdout
+
+
+def test_a_checkpoint_chosen_with_latest_is_where_every_reader_starts(source, tmp_path):
+    run = tmp_path / "run"
+    train(run, "train.max_steps=4", "checkpoint.keep_last=4")
+    assert steps(run) == ["step_00000001", "step_00000002", "step_00000003", "step_00000004"]
+    (run / "checkpoints" / "latest").write_text("step_00000002\n")  # what docs/checkpoints.md tells users
+    assert inspected_step(run) == 2
+    dry = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=3",
+                 "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert resumed_at(dry) == ("step_00000002", 2)
+    r = train(run, "train.max_steps=3", "checkpoint.keep_last=1")
+    assert resumed_at(r) == ("step_00000002", 2)
+    # Step 3 was saved again from step 2; step 4 records a later step and is left alone.
+    assert latest(run) == "step_00000003" and steps(run) == ["step_00000003", "step_00000004"]
+    assert inspected_step(run) == 3
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records] == [1, 2, 3]
+    # A `latest` that names no checkpoint: the newest intact one by step, with a warning.
+    (run / "checkpoints" / "latest").write_text("step_00000099\n")
+    dry = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=5",
+                 "--dry-run")
+    assert resumed_at(dry) == ("step_00000004", 4)
+    assert "latest names 'step_00000099', which is not a checkpoint folder here" in dry.stderr
+    assert inspected_step(run) == 4
+
+
+@pytest.mark.parametrize("how", ["--fresh", "checkpoint.resume=false"])
+def test_a_run_that_starts_over_moves_the_whole_earlier_run_aside(tmp_path, how):
+    run = tmp_path / "run"
+    train(run, "train.max_steps=2")
+    before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.yaml")}
+    r = train(run, "train.max_steps=1", *([how] if how != "--fresh" else []), fresh=how == "--fresh")
+    (aside,) = run.glob("earlier-*")
+    assert f"moved the earlier run (checkpoints, metrics.jsonl, config.yaml) to {aside}" in r.stderr
+    for name, data in before.items():
+        assert (aside / name).read_bytes() == data  # the earlier history, byte for byte
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert (aside / "checkpoints" / "step_00000002" / "meta.json").is_file()
+    assert inspected_step(aside) == 2  # still a run zerodp reads
+    assert steps(run) == ["step_00000001"]

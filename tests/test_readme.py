@@ -1,0 +1,191 @@
+"""The README's commands run as written: every command of its ```bash blocks, and each ```python block,
+in the order the README gives them, in a fresh copy of the repository (its tracked files, as they are
+in this checkout), each one exiting 0. A command may read only what an earlier one wrote.
+
+The copy runs with this environment's bin folder first on PATH (zerodp, torchrun, deepspeed) and
+PYTHONPATH set to the copy, on the CPU like the rest of the suite (tests/conftest.py hides the GPUs).
+What is not run is left out by one of these rules, and nothing else:
+
+- PLACEHOLDER: a command a reader completes (`CONFIG.yaml`, `path/to/...`, `...`);
+- NEEDS_GPUS: a launch that needs GPUs or several nodes (`deepspeed --num_gpus` without
+  `DS_ACCELERATOR=cpu`, the multinode launchers, `sbatch`);
+- `make test`: the suite itself.
+
+`make quickstart` runs through the Makefile against this environment (`VENV=` this one, its install
+step left out with `make -o`): it is the command that trains `runs/tiny`, which later commands read.
+The counts below pin what runs and what each rule leaves out, so that a rule that starts to skip more
+(or a README that loses its commands) fails here. `pytest -s` prints each command's seconds: most of
+the time is make quickstart's 500 steps and the walk-through's training and `zerodp eval`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+BIN = Path(sys.executable).parent
+
+PLACEHOLDER = re.compile(r"CONFIG\.yaml|path/to/|\.\.\.")
+NEEDS_GPUS = re.compile(r"^(?!.*DS_ACCELERATOR=cpu).*\bdeepspeed --num_gpus|launchers/multinode_|\bsbatch\b")
+THE_SUITE = "make test"
+QUICKSTART = "make quickstart"
+
+EXPECTED_RUN = 19  # 18 shell commands and 1 python block
+EXPECTED_SKIPPED = {"placeholder": 4, "needs GPUs": 1, "the suite itself": 1}
+HEREDOC = re.compile(r"<<-?\s*(['\"]?)(\w+)\1")
+
+
+@dataclass
+class Command:
+    line: int  # 1-based line of the README where it starts
+    kind: str  # "bash" or "python"
+    text: str  # what runs: a shell command (with its heredoc), or a python block's source
+    shell: str  # the shell words, comments and heredoc bodies left out: what the rules read
+
+    @property
+    def skip(self) -> str | None:
+        """The rule that leaves this command out, or None when it runs."""
+        if self.kind == "python":
+            return None
+        if self.shell == THE_SUITE:
+            return "the suite itself"
+        if PLACEHOLDER.search(self.shell):
+            return "placeholder"
+        if NEEDS_GPUS.search(self.shell):
+            return "needs GPUs"
+        return None
+
+
+def commands(text: str) -> list[Command]:
+    """The commands of the ```bash blocks and the ```python blocks of `text`, in order."""
+    out: list[Command] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        fence = lines[i].strip()
+        if not fence.startswith("```"):
+            i += 1
+            continue
+        kind, start = fence[3:].strip(), i + 1
+        end = next((j for j in range(start, len(lines)) if lines[j].strip() == "```"), None)
+        assert end is not None, f"README.md:{i + 1}: unclosed code block"
+        body = lines[start:end]
+        if kind == "python":
+            out.append(Command(start, "python", "\n".join(body) + "\n", ""))
+        elif kind == "bash":
+            out.extend(shell_commands(body, start + 1))
+        i = end + 1
+    return out
+
+
+def shell_commands(body: list[str], first_line: int) -> list[Command]:
+    out: list[Command] = []
+    k = 0
+    while k < len(body):
+        line, at = body[k], first_line + k
+        k += 1
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        parts = [line]
+        while parts[-1].rstrip().endswith("\\"):  # continuation lines
+            parts.append(body[k])
+            k += 1
+        shell = " ".join(p.rstrip().removesuffix("\\") for p in parts)
+        heredoc = HEREDOC.search(shell)
+        if heredoc:  # its body, up to the delimiter line, goes to the command's stdin
+            delimiter = heredoc.group(2)
+            while body[k].strip() != delimiter:
+                parts.append(body[k])
+                k += 1
+            parts.append(body[k])
+            k += 1
+        words = " ".join(shlex.split(shell, comments=True))
+        out.append(Command(at, "bash", "\n".join(parts) + "\n", words))
+    return out
+
+
+def test_readme_commands_and_skip_rules():
+    """Fast: what the rules leave out of the README's commands, by rule, and how many run."""
+    cmds = commands(README.read_text(encoding="utf-8"))
+    skipped: dict[str, int] = {}
+    for c in cmds:
+        if c.skip:
+            skipped[c.skip] = skipped.get(c.skip, 0) + 1
+    ran = [c for c in cmds if not c.skip]
+    assert skipped == EXPECTED_SKIPPED and len(ran) == EXPECTED_RUN, (
+        f"README commands: {len(ran)} would run (expected {EXPECTED_RUN}), left out {skipped} "
+        f"(expected {EXPECTED_SKIPPED}); update the counts in tests/test_readme.py only for a README "
+        f"change that adds or removes commands:\n"
+        + "\n".join(f"  README.md:{c.line}: [{c.skip or 'runs'}] {c.shell or '(python block)'}" for c in cmds))
+    assert any(c.shell == QUICKSTART for c in ran)
+
+
+def test_readme_lists_every_doc():
+    """The Documentation list names every docs/*.md."""
+    text = README.read_text(encoding="utf-8")
+    listed = set(re.findall(r"^- \[(docs/[\w.-]+\.md)\]", text, re.M))
+    missing = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md") if str(p.relative_to(ROOT)) not in listed)
+    assert not missing, f"README.md's Documentation list leaves out {', '.join(missing)}"
+
+
+def fresh_copy(dest: Path) -> Path:
+    """The repository's tracked files as they are in this checkout (edits included), nothing else."""
+    r = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    for name in r.stdout.decode().split("\0"):
+        src = ROOT / name
+        if name and src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def argv_of(c: Command) -> tuple[list[str], str | None]:
+    """How `c` runs: the argv and its stdin."""
+    if c.kind == "python":
+        return ["python", "-"], c.text
+    if c.shell == QUICKSTART:
+        # The Makefile's quickstart recipe, on this environment: VENV names it, and its install step
+        # (which would pip-install the copy into it) is taken as done.
+        venv = BIN.parent
+        return ["bash", "-c", f"make quickstart VENV={shlex.quote(str(venv))} -o {shlex.quote(str(venv / '.installed'))}"], None
+    return ["bash", "-c", c.text], None
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout (git ls-files makes the copy)")
+@pytest.mark.skipif(not all((BIN / tool).exists() for tool in ("zerodp", "torchrun", "deepspeed")),
+                    reason=f"zerodp, torchrun and deepspeed must be installed in {BIN}")
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_readme_commands_run_in_order_in_a_fresh_copy(tmp_path):
+    copy = fresh_copy(tmp_path / "zerodp")
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONPATH=str(copy))
+    r = subprocess.run(["python", "-c", "import zerodp; print(zerodp.__file__)"], cwd=copy, env=env,
+                       capture_output=True, text=True, check=True)
+    assert Path(r.stdout.strip()).is_relative_to(copy), r.stdout
+
+    ran, times = 0, []
+    for c in commands((copy / "README.md").read_text(encoding="utf-8")):
+        if c.skip:
+            continue
+        argv, stdin = argv_of(c)
+        t0 = time.monotonic()
+        r = subprocess.run(argv, cwd=copy, env=env, input=stdin, capture_output=True, text=True, timeout=1800)
+        times.append((time.monotonic() - t0, c))
+        out = (r.stdout + r.stderr)[-6000:]
+        assert r.returncode == 0, f"README.md:{c.line}: exit {r.returncode}: {c.shell or c.text}\n{out}"
+        ran += 1
+    assert ran == EXPECTED_RUN
+    print("\nREADME commands, seconds each:")
+    for seconds, c in times:
+        print(f"  {seconds:6.1f}  README.md:{c.line}: {c.shell or '(python block)'}")
+    print(f"  {sum(s for s, _ in times):6.1f}  in all")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 BIN = Path(sys.executable).parent
 
@@ -135,7 +135,8 @@ def test_readme_lists_every_doc():
     """The Documentation list names every docs/*.md."""
     text = README.read_text(encoding="utf-8")
     listed = set(re.findall(r"^- \[(docs/[\w.-]+\.md)\]", text, re.M))
-    missing = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md") if str(p.relative_to(ROOT)) not in listed)
+    docs = (str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+    missing = sorted(d for d in docs if d not in listed)
     assert not missing, f"README.md's Documentation list leaves out {', '.join(missing)}"
 
 
@@ -158,7 +159,8 @@ def argv_of(c: Command) -> tuple[list[str], str | None]:
         # The Makefile's quickstart recipe, on this environment: VENV names it, and its install step
         # (which would pip-install the copy into it) is taken as done.
         venv = BIN.parent
-        return ["bash", "-c", f"make quickstart VENV={shlex.quote(str(venv))} -o {shlex.quote(str(venv / '.installed'))}"], None
+        make = f"make quickstart VENV={shlex.quote(str(venv))} -o {shlex.quote(str(venv / '.installed'))}"
+        return ["bash", "-c", make], None
     return ["bash", "-c", c.text], None
 
 

@@ -14,12 +14,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from tests.conftest import TINY
+from tests.distributed.test_hf import hf_logits, zerodp_logits  # the same comparison as the other families'
 from tests.support.harness import run_distributed
 from tests.support.reference import WEIGHT_TOLERANCE, reference_run
 from zerodp.cli.commands import main
 from zerodp.config import load_config
 from zerodp.errors import UserError
-from zerodp.models import arch_of, build_model
+from zerodp.models import arch_of
 from zerodp.models.hf import from_hf, hf_config_from_model, model_config_from_hf, to_hf
 
 TOL = 1e-5
@@ -56,19 +57,6 @@ def make_hf(name: str, folder=None) -> Qwen3ForCausalLM:
     if folder is not None:
         model.save_pretrained(folder)
     return model
-
-
-def hf_logits(model, idx) -> torch.Tensor:
-    with torch.no_grad():
-        return model(idx).logits.float()
-
-
-def zerodp_logits(overrides: list[str], weights: dict, idx) -> torch.Tensor:
-    model = build_model(load_config(None, overrides).model).eval()
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    assert not unexpected and set(missing) <= set(model.tied_weights())
-    with torch.no_grad():
-        return model(idx)
 
 
 @pytest.mark.parametrize("name", list(HF))

@@ -59,7 +59,7 @@ def count_syncs(overrides: list[str]) -> dict:
 def test_no_host_sync_between_log_steps_and_every_step_recorded(tiny, tmp_path):
     over = tiny + ["strategy.name=single", "train.max_steps=12", "train.log_every=5", "checkpoint.every=6",
                    "train.eval_every=0", "train.peak_tflops=0.5", f"train.out_dir={tmp_path}"]
-    res = run_distributed("tests.distributed.test_loop:count_syncs", 1, {"overrides": over})[0]
+    res = run_distributed("tests.distributed.test_loop:count_syncs", 1, {"overrides": over}, fresh=True)[0]
     in_steps = [tuple(s) for s in res["seen"] if s[0] > 0]  # after start-up
     # log steps 5 and 10, the checkpoint at 6 and the last step 12; nothing anywhere else
     assert {step for step, _, _ in in_steps} == {5, 6, 10, 12}, in_steps

@@ -194,7 +194,7 @@ def test_sampling_a_sharded_model_needs_no_more_memory_than_training(monkeypatch
             "zero3": BIG + ["strategy.name=zero3"]}
     fp32 = 4 * param_count(load_config(None, runs["fsdp"]).model)
     results = run_distributed("tests.distributed.test_sample:sample_memory", world_size=2,
-                              kwargs={"runs": list(runs.values())})
+                              kwargs={"runs": list(runs.values())}, fresh=True)
     for i, name in enumerate(runs):
         a, b = results[0][i], results[1][i]
         figures = ", ".join(f"rank {r}: {res[i]['sample'] / MB:,.0f} MB = {res[i]['sample'] / fp32:.2f} x "

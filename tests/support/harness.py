@@ -8,21 +8,32 @@ the pytest process, and by `base_env` for every process a test starts) hides CUD
 DeepSpeed and the planner all see a machine without GPUs. The GPU tests hand the machine's own
 CUDA_VISIBLE_DEVICES back to the processes they start (`gpu_env`).
 
-Each rank is a fresh `python` process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set the
-way torchrun or the deepspeed launcher sets them; the process group is initialised by zerodp's own
+Each rank is a `python` process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT set the way
+torchrun or the deepspeed launcher sets them; the process group is initialised by zerodp's own
 `init_distributed` before the function runs. The function's return value (tensors, numbers, lists,
 dicts) is saved per rank and loaded back with `torch.load(weights_only=True)`.
+
+Starting a rank costs seconds (python, torch, DeepSpeed, the rendezvous), so the ranks of a CPU world
+are kept between calls: a `World` of that size runs one call after another in the same process group,
+and puts each process back as it found it in between (environment, working directory, torch's seed and
+global flags, signal handlers, logging handlers, warning filters, dynamo's caches). A world that failed
+is thrown away; one that has served `World.CALLS` calls is replaced. A call that patches a library or a
+zerodp module, measures its own process's memory, or kills or hangs a rank passes `fresh=True`, and
+runs on ranks started for it alone (as do GPU calls and `allow_missing` ones).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -99,19 +110,122 @@ _RENDEZVOUS_FLAKES = ("Address already in use", "EADDRINUSE", "connectFullMesh")
 
 
 def run_distributed(target: str, world_size: int, kwargs: dict | None = None, timeout: float = 600,
-                    allow_missing: bool = False, device: str = "cpu") -> list:
+                    allow_missing: bool = False, device: str = "cpu", fresh: bool = False) -> list:
     """Run `target` ("module:function") on `world_size` processes; return each rank's result.
 
     device="cuda" (GPU tests only) gives each rank the GPU LOCAL_RANK and an nccl group beside gloo.
-    With allow_missing, a rank that exited without a result (a test that kills it) gives None."""
+    With allow_missing, a rank that exited without a result (a test that kills it) gives None.
+    fresh=True starts the ranks for this call alone (see the module's docstring for when it must)."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cpu" and not allow_missing and not fresh:
+        try:
+            return World.get(world_size).call(target, kwargs, timeout)
+        except _RendezvousFlake:
+            return World.get(world_size).call(target, kwargs, timeout)
     try:
         return _run_once(target, world_size, kwargs, timeout, allow_missing, device)
     except RuntimeError as e:
         if not any(flake in str(e) for flake in _RENDEZVOUS_FLAKES):
             raise
         return _run_once(target, world_size, kwargs, timeout, allow_missing, device)
+
+
+class _RendezvousFlake(RuntimeError):
+    pass
+
+
+class World:
+    """`world_size` ranks that run calls one after another in one process group (`--serve`).
+
+    A call is one JSON line on each rank's stdin; each rank answers with `rankR-N.pt` (its result) or
+    `rankR-N.err` (its traceback) in the world's folder, and its output goes to `rankR.log` there."""
+
+    CALLS = 16  # calls a world serves before it is replaced (gloo subgroups and heap accumulate)
+    _alive: dict[int, World] = {}
+
+    @classmethod
+    def get(cls, world_size: int) -> World:
+        world = cls._alive.get(world_size)
+        if world is None or world.calls >= cls.CALLS or any(p.poll() is not None for p in world.procs):
+            if world is not None:
+                world.close()
+            world = cls._alive[world_size] = World(world_size)
+        return world
+
+    def __init__(self, world_size: int):
+        self.world_size, self.calls = world_size, 0
+        self.dir = Path(tempfile.mkdtemp(prefix="zerodp-test-world-"))
+        env = base_env(world_size)
+        self.logs = [open(self.dir / f"rank{r}.log", "wb") for r in range(world_size)]
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "tests.support.harness", "--serve", str(self.dir)],
+                             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT, stdin=subprocess.PIPE,
+                             stdout=self.logs[r], stderr=subprocess.STDOUT)
+            for r in range(world_size)]
+
+    def _output(self, rank: int, since: int) -> str:
+        data = (self.dir / f"rank{rank}.log").read_bytes()[since:]
+        return data.decode(errors="replace")[-6000:]
+
+    def call(self, target: str, kwargs: dict | None, timeout: float) -> list:
+        n, self.calls = self.calls, self.calls + 1
+        since = [(self.dir / f"rank{r}.log").stat().st_size for r in range(self.world_size)]
+        line = (json.dumps({"n": n, "target": target, "kwargs": kwargs or {}}) + "\n").encode()
+        try:
+            for p in self.procs:
+                p.stdin.write(line)
+                p.stdin.flush()
+        except BrokenPipeError:
+            pass  # a rank is gone: reported below
+        results = [self.dir / f"rank{r}-{n}.pt" for r in range(self.world_size)]
+        deadline = time.monotonic() + timeout
+        while not all(f.exists() for f in results):
+            failed = next((r for r in range(self.world_size)
+                           if (self.dir / f"rank{r}-{n}.err").exists() or self.procs[r].poll() is not None), None)
+            if failed is not None or time.monotonic() > deadline:
+                if failed is not None:
+                    self.procs[failed].wait(timeout=20)  # its traceback is all in its log
+                output = "" if failed is None else self._output(failed, since[failed])
+                self.close(kill=True)
+                World._alive.pop(self.world_size, None)
+                if failed is None:
+                    raise subprocess.TimeoutExpired(target, timeout)
+                if any(flake in output for flake in _RENDEZVOUS_FLAKES) and n == 0:
+                    raise _RendezvousFlake(output)
+                raise RuntimeError(f"rank {failed} exited with 1:\n{output}")
+            time.sleep(0.02)
+        out = [torch.load(f, weights_only=True) for f in results]
+        for f in results:
+            f.unlink()
+        return out
+
+    def close(self, kill: bool = False) -> None:
+        """End the ranks: after their last call, or at once (`kill`: a failed world, whose other ranks
+        may wait inside a collective for the one that failed)."""
+        for p in self.procs:
+            if kill:
+                p.kill()
+            try:
+                p.stdin.close()  # end of input: the rank leaves after its last call
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in self.logs:
+            f.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@atexit.register
+def _close_worlds() -> None:
+    for world in list(World._alive.values()):
+        world.close()
+    World._alive.clear()
 
 
 def _run_once(target: str, world_size: int, kwargs: dict | None, timeout: float, allow_missing: bool,
@@ -161,5 +275,83 @@ def _worker_main() -> None:
     shutdown()
 
 
+class _ProcessState:
+    """What a call may change in its process and the next call must not see."""
+
+    def __init__(self):
+        import logging
+        import signal
+        import warnings
+
+        self.environ, self.cwd = dict(os.environ), os.getcwd()
+        self.seed, self.threads = torch.initial_seed(), torch.get_num_threads()
+        self.signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+        self.loggers = {name: list(lg.handlers) for name, lg in logging.Logger.manager.loggerDict.items()
+                        if isinstance(lg, logging.Logger)}
+        self.root_handlers = list(logging.root.handlers)
+        self.warnings = list(warnings.filters)
+
+    def restore(self) -> None:
+        import gc
+        import logging
+        import signal
+        import warnings
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        torch.manual_seed(self.seed)
+        torch.set_num_threads(self.threads)
+        torch.use_deterministic_algorithms(False)
+        torch.set_default_dtype(torch.float32)
+        torch.set_grad_enabled(True)
+        for s, handler in self.signals.items():
+            signal.signal(s, handler)
+        for name, lg in logging.Logger.manager.loggerDict.items():
+            if isinstance(lg, logging.Logger):
+                lg.handlers[:] = self.loggers.get(name, [])
+        logging.root.handlers[:] = self.root_handlers
+        warnings.filters[:] = self.warnings
+        if "torch._dynamo" in sys.modules:
+            torch._dynamo.reset()
+        gc.collect()
+
+
+def _serve(folder: Path) -> None:
+    """Run the calls that arrive on stdin, one after another, in one process group, until stdin ends."""
+    import importlib
+    import traceback
+
+    import torch.distributed as dist
+
+    from zerodp.distributed.process_group import init_distributed, shutdown
+
+    torch.set_num_threads(1)
+    env = init_distributed("cpu")
+    state = _ProcessState()
+    for line in sys.stdin:
+        call = json.loads(line)
+        n = call["n"]
+        torch.manual_seed(state.seed)
+        try:
+            module, fn = call["target"].split(":")
+            result = getattr(importlib.import_module(module), fn)(**call["kwargs"])
+            torch.save(result, folder / f"rank{env.rank}-{n}.pt.tmp")
+            os.replace(folder / f"rank{env.rank}-{n}.pt.tmp", folder / f"rank{env.rank}-{n}.pt")
+            del result
+        except BaseException:
+            traceback.print_exc()
+            sys.stdout.flush()
+            (folder / f"rank{env.rank}-{n}.err").write_text(traceback.format_exc())
+            os._exit(1)  # its peers may be inside a collective: this world is thrown away
+        sys.stdout.flush()
+        state.restore()
+        dist.barrier()
+    shutdown()
+
+
 if __name__ == "__main__":
-    _worker_main()
+    if sys.argv[1] == "--serve":
+        _serve(Path(sys.argv[2]))
+    else:
+        _worker_main()

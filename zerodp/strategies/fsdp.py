@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from zerodp.convert.safeload import safe_dcp_planner, safe_dcp_reader
 from zerodp.errors import CheckpointError, UserError
-from zerodp.optim import adamw_kwargs, param_groups
+from zerodp.optim import adam_step, adamw, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (
     DTYPES,
@@ -124,7 +124,7 @@ class FSDPStrategy:
         offloaded = ctx.cfg.strategy.offload_params or ctx.cfg.strategy.offload_optimizer
         self.model.to_empty(device="cpu" if offloaded else ctx.device)
         self._initialise(ctx.cfg.train.seed)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, ctx.cfg), **adamw_kwargs(ctx.cfg))
+        self.optimizer = adamw(param_groups(self.model, ctx.cfg), ctx.cfg, "cpu" if offloaded else ctx.device.type)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
         self._unsharded_peak = 0
         for unit in [*self.model.blocks(), self.model]:
@@ -275,7 +275,7 @@ class FSDPStrategy:
                 for kind in ("exp_avg", "exp_avg_sq"):
                     moments[kind] = torch.zeros_like(p)
                     _copy_shard(moments[kind], state.get(name, kind, p.shape))
-                moments["step"] = torch.tensor(state.step(name), dtype=torch.float32)
+                moments["step"] = adam_step(self.optimizer, p, state.step(name))
                 self.optimizer.state[p] = moments
 
 

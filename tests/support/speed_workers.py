@@ -1,4 +1,4 @@
-"""Rank functions of the speed tests (tests/unit/test_speed.py's GPU checks), run by
+"""Rank functions of the speed tests (tests/distributed/test_speed_gpu.py), run by
 tests.support.harness.run_distributed."""
 
 from __future__ import annotations
@@ -35,3 +35,18 @@ def fused_against_unfused(overrides: list[str], steps: int) -> dict:
     (fw, fl, f_flag), (uw, ul, u_flag) = runs[True], runs[False]
     return {"max_weight_diff": max((fw[n] - uw[n]).abs().max().item() for n in fw), "fused_losses": fl,
             "unfused_losses": ul, "flags": [bool(f_flag), bool(u_flag)]}
+
+
+def prefetched_pinned(overrides: list[str]) -> dict:
+    """Two steps through the prefetch thread for this rank's device: whether every tensor handed over
+    is pinned, and whether the values are a direct call's."""
+    from zerodp.data.batches import TokenBatches, load_tokens, prefetch
+
+    cfg = load_config(None, overrides)
+    device = torch.device("cuda", torch.cuda.current_device())
+    data = TokenBatches(load_tokens(cfg), cfg, "train")
+    got = list(prefetch(data, range(2), cfg, 0, 1, 2, device))
+    pinned = [t.is_pinned() for _, mbs in got for xy in mbs for t in xy]
+    want = [data.rank_micro_batches(s, cfg.train.global_batch_size, cfg.train.micro_batch_size, 0, 1) for s, _ in got]
+    equal = all(torch.equal(a, b) for (_, mbs), w in zip(got, want) for xy, wxy in zip(mbs, w) for a, b in zip(xy, wxy))
+    return {"pinned": pinned, "equal": equal}

@@ -185,7 +185,7 @@ class Steps:
         t_end = time.perf_counter()
         self.strategy.model.train()
         for step, micro_batches in prefetch(train_data, range(start, cfg.train.max_steps), cfg,
-                                            env.rank, env.world_size, cfg.data.prefetch):
+                                            env.rank, env.world_size, cfg.data.prefetch, env.device):
             guards.step = step  # the step in progress, for the line of a failed collective
             t0 = time.perf_counter()
             lr = lr_at(cfg, step)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zerodp.config import load_config
-from zerodp.data.batches import TokenBatches, load_tokens, prefetch
+from zerodp.data.batches import TokenBatches, load_tokens, pin_batches, prefetch
 from zerodp.errors import UserError
 
 
@@ -58,6 +58,27 @@ def test_prefetch_yields_the_same_batches_as_direct_calls(tiny):
     for s, mbs in got:
         want = data.rank_micro_batches(s, cfg.train.global_batch_size, cfg.train.micro_batch_size, 1, 2)
         assert all(torch.equal(a[0], b[0]) for a, b in zip(mbs, want))
+
+
+def test_batches_are_pinned_for_a_cuda_device_only(tiny):
+    """The prefetch thread pins what it hands over only for CUDA; CPU batches are the plain tensors a
+    direct call gives (same values, same dtype, not pinned). For a CUDA device the thread calls
+    pin_memory: on this CPU-only machine torch refuses, and the refusal reaches the training thread
+    (on a GPU the batches arrive pinned: tests/distributed/test_speed_gpu.py)."""
+    assert pin_batches(torch.device("cuda", 0)) and pin_batches("cuda")
+    assert not pin_batches(torch.device("cpu")) and not pin_batches(None)
+    cfg = load_config(None, tiny)
+    data = TokenBatches(load_tokens(cfg), cfg, "train")
+    for device in (torch.device("cpu"), None):
+        got = list(prefetch(data, range(2), cfg, rank=0, world=1, depth=2, device=device))
+        for s, mbs in got:
+            want = data.rank_micro_batches(s, cfg.train.global_batch_size, cfg.train.micro_batch_size, 0, 1)
+            for (x, y), (wx, wy) in zip(mbs, want, strict=True):
+                assert torch.equal(x, wx) and torch.equal(y, wy) and x.dtype == torch.int64
+                assert not x.is_pinned() and not y.is_pinned()
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="accelerator"):
+            list(prefetch(data, range(2), cfg, rank=0, world=1, depth=2, device=torch.device("cuda")))
 
 
 def test_a_users_text_is_read_whole_and_what_was_read_is_said(tmp_path, tiny, capsys):

@@ -11,6 +11,7 @@ import sys
 import time
 import warnings
 
+from zerodp.cli.allocator import default_allocator
 from zerodp.distributed.launcher import record_exit
 from zerodp.errors import OneLineParser, PeerFailure, UserError
 
@@ -152,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    default_allocator(os.environ)  # before anything imports torch: the CUDA allocator reads it once
     # torch's and DeepSpeed's deprecation notices about their own internals (e.g. DeepSpeed calling
     # all_gather_into_tensor) name nothing a zerodp user can change.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"(torch|deepspeed)(\.|$)")

@@ -255,22 +255,39 @@ class TokenBatches:
         rng = np.random.Generator(np.random.PCG64([self.seed, step, self.split_id]))
         return rng.integers(0, len(self.tokens) - self.block - 1, size=rows)
 
-    def rows(self, offsets: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, offsets: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of the sequences at `offsets`: two views of one (B, T+1) buffer, in page-locked host
+        memory with `pin` (then both views are pinned too)."""
         T = self.block
         buf = np.stack([np.asarray(self.tokens[o : o + T + 1], dtype=np.int64) for o in offsets])  # (B, T+1)
         t = torch.from_numpy(buf)
+        if pin:
+            t = t.pin_memory()
         return t[:, :-1], t[:, 1:]
 
-    def rank_micro_batches(self, step: int, global_batch: int, micro: int, rank: int, world: int):
+    def rank_micro_batches(self, step: int, global_batch: int, micro: int, rank: int, world: int,
+                           pin: bool = False):
         """This rank's micro batches of global batch `step`: a list of (x, y), each (micro, T)."""
         per_rank = global_batch // world
         mine = self.offsets(step, global_batch)[rank * per_rank : (rank + 1) * per_rank]
-        return [self.rows(mine[i : i + micro]) for i in range(0, per_rank, micro)]
+        return [self.rows(mine[i : i + micro], pin) for i in range(0, per_rank, micro)]
 
 
-def prefetch(batches: TokenBatches, steps: range, cfg: Config, rank: int, world: int, depth: int) -> Iterator:
-    """Yield (step, micro_batches) for `steps`, prepared `depth` steps ahead by a background thread."""
+def pin_batches(device: torch.device | None) -> bool:
+    """Whether the prefetch thread hands over batches in pinned (page-locked) host memory: for a CUDA
+    device only. A copy from pinned memory with non_blocking=True is an asynchronous DMA that overlaps
+    the step already queued; from pageable memory the same call stages through a pinned buffer and
+    blocks the host until the copy is done. On the CPU (and without a device) batches stay as they are."""
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def prefetch(batches: TokenBatches, steps: range, cfg: Config, rank: int, world: int, depth: int,
+             device: torch.device | None = None) -> Iterator:
+    """Yield (step, micro_batches) for `steps`, prepared `depth` steps ahead by a background thread;
+    for a CUDA `device` that thread pins them (`pin_batches`), off the training thread's time. With depth
+    0 the training thread prepares each step itself, unpinned."""
     t = cfg.train
+    pin = pin_batches(device)
     if depth == 0:
         for s in steps:
             yield s, batches.rank_micro_batches(s, t.global_batch_size, t.micro_batch_size, rank, world)
@@ -281,7 +298,7 @@ def prefetch(batches: TokenBatches, steps: range, cfg: Config, rank: int, world:
     def work():
         try:
             for s in steps:
-                item = (s, batches.rank_micro_batches(s, t.global_batch_size, t.micro_batch_size, rank, world))
+                item = (s, batches.rank_micro_batches(s, t.global_batch_size, t.micro_batch_size, rank, world, pin))
                 while not stop.is_set():
                     try:
                         q.put(item, timeout=0.1)

@@ -85,18 +85,26 @@ def materialise(model, device, seed: int, dtype=None):
     return model
 
 
-def compile_blocks(model) -> int:
+def compile_blocks(model, **options) -> int:
     """torch.compile each transformer block of `model` (or of the model a DDP wrapper or DeepSpeed engine
-    holds) in place, as torchtitan does: `Module.compile` keeps every parameter's name and every hook
-    the strategy registered (FSDP2's gather and reshard, DeepSpeed ZeRO-3's fetches run eagerly around
-    the compiled code), so checkpoints and the strategies do not change. Returns the blocks compiled."""
+    holds) in place; `options` go to torch.compile. What is compiled is the block's `forward`, not the
+    module's call: the hooks on the block (FSDP2's gather and reshard, DeepSpeed ZeRO-3's fetches,
+    zerodp's own measurements) run eagerly around the compiled code wherever they were registered, as
+    around torchtitan's compiled block that fully_shard wraps, and cause no graph break; parameter
+    names do not change, so checkpoints and the strategies do not either. A block already compiled is
+    left as it is (fsdp compiles before sharding, the loop after setup). Returns the blocks compiled now."""
+    import torch
+
     core = model
     while not hasattr(core, "blocks") and hasattr(core, "module"):
         core = core.module
-    blocks = core.blocks()
-    for block in blocks:
-        block.compile()
-    return len(blocks)
+    compiled = 0
+    for block in core.blocks():
+        if "forward" in vars(block):  # compiled already: the instance's own forward
+            continue
+        block.forward = torch.compile(block.forward, **options)
+        compiled += 1
+    return compiled
 
 
 def param_count(cfg: ModelConfig) -> int:

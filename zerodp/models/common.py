@@ -1,7 +1,7 @@
 """What every architecture's model shares: the forward pass over blocks (with activation
-checkpointing), the loss, generation, the names of tied weights, and the initial weights. A family
-implements `embed`, `run_block`, `head`, `blocks` and names its `RESIDUAL_PROJECTIONS`; the loop and the
-strategies see only this.
+checkpointing), the loss, generation (and its key/value cache, `KVCache`), the names of tied weights,
+and the initial weights. A family implements `embed`, `run_block`, `head`, `blocks` and names its
+`RESIDUAL_PROJECTIONS`; the loop and the strategies see only this.
 
 Initial weights do not depend on the layout: parameter `name`'s initial values are a pure function of
 (train.seed, name), cut in blocks of INIT_BLOCK elements of the flattened parameter, each block drawn
@@ -38,6 +38,46 @@ def normal_range(seed: int, name: str, numel: int, start: int, stop: int) -> tor
         a, b = max(lo, start), min(hi, stop)
         out[a - start : b - start] = values[a - lo : b - lo]
     return out
+
+
+class LayerKV:
+    """One block's cached keys and values (B, n_kv_head, S, head_dim), in the compute dtype."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Append this forward's keys and values; return all of them so far and whether the attention is
+        causal over them: a prefill (nothing cached before) is, one new token attends to every cached one.
+        Several new tokens over a non-empty cache would need a bottom-right causal mask: not used."""
+        if self.k is None:
+            self.k, self.v = k, v
+            return k, v, True
+        assert k.shape[2] == 1, "after the prefill the cache takes one token at a time"
+        self.k, self.v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        return self.k, self.v, False
+
+
+class KVCache:
+    """Keys and values of every block for the tokens run so far: generation runs the prompt once (the
+    prefill), then each new token alone, attending to the cache, instead of re-running the whole sequence
+    per token. Positions continue from `pos`; a sequence longer than block_size cannot continue (the
+    caller starts over without a cache: zerodp.trainer.sample)."""
+
+    def __init__(self, n_layer: int):
+        self.layers = [LayerKV() for _ in range(n_layer)]
+        self.pos = 0
+        """Tokens cached so far: the position of the next token."""
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None, dropout: float,
+           enable_gqa: bool = False) -> torch.Tensor:
+    """Causal SDPA of q over k, v (B, heads, T, hd), through the block's cache `kv` when generating."""
+    causal = True
+    if kv is not None:
+        k, v, causal = kv.extend(k, v)
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, enable_gqa=enable_gqa)
 
 
 class DecoderLM(nn.Module):
@@ -87,14 +127,20 @@ class DecoderLM(nn.Module):
         """alias -> stored name for weights shared by two modules (the tied head), as checkpoints record."""
         return self.arch.tied_weights()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Return the mean cross-entropy over all tokens if targets are given, else the logits (B, T, V)."""
-        x = self.embed(idx)  # (B, T, C)
-        for block in self.blocks():
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """Return the mean cross-entropy over all tokens if targets are given, else the logits (B, T, V).
+        With a `cache` (generation, no gradients) `idx` continues the cached tokens: positions start at
+        cache.pos, each block attends to its cached keys and values and appends idx's."""
+        start = cache.pos if cache is not None else 0
+        x = self.embed(idx, start)  # (B, T, C)
+        for i, block in enumerate(self.blocks()):
             if self.cfg.activation_checkpointing and self.training:
                 x = checkpoint(self.run_block, block, x, use_reentrant=False)
             else:
-                x = self.run_block(block, x)
+                x = self.run_block(block, x, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.pos += idx.shape[1]
         logits = self.head(x)  # (B, T, V)
         if targets is None:
             return logits

@@ -5,8 +5,15 @@ decayed, and neither is the token/position embedding: decaying it pulls rare tok
 and GPT-2's tied embedding doubles as the output layer (the choice of nanoGPT's successors and Llama
 recipes alike). With tied embeddings the shared tensor appears once.
 
-Layer: above config; strategies import it. Torch appears in annotations only, so that the schedules
-import without it.
+On CUDA AdamW runs torch's fused kernel (`fused_adamw`): one kernel per parameter group and dtype for
+the whole update, instead of the foreach path's several passes over the parameters and moments; on the
+CPU (and for parameters offloaded to host memory) the default foreach/for-loop path. The fused step
+keeps `state["step"]` on the parameter's device (`adam_step` builds it where AdamW would) and takes
+GradScaler's found-inf flag into the kernel, so an fp16 step that overflowed is skipped without a host
+sync.
+
+Layer: above config; strategies import it. Torch is imported inside the functions that build tensors, so
+that the schedules import without it.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from zerodp.config import Config
 from zerodp.optim.schedules import lr_at
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
@@ -39,3 +47,28 @@ def adamw_kwargs(cfg: Config) -> dict:
     """AdamW hyper-parameters (lr is set by the loop at every step)."""
     o = cfg.optim
     return {"lr": lr_at(cfg, 0), "betas": (o.beta1, o.beta2), "eps": o.eps}
+
+
+def fused_adamw(device_type: str) -> bool:
+    """Whether AdamW over parameters on a `device_type` device uses torch's fused kernel: on CUDA only.
+    torch also has a fused CPU kernel; zerodp keeps the CPU on the default path it is tested against."""
+    return device_type == "cuda"
+
+
+def adamw(groups: list[dict], cfg: Config, device_type: str) -> torch.optim.AdamW:
+    """torch's AdamW over `groups` (param_groups) with the run's hyper-parameters, fused where the
+    parameters are CUDA tensors (`device_type`: where they live, the host for offloaded ones)."""
+    import torch
+
+    return torch.optim.AdamW(groups, **adamw_kwargs(cfg), fused=fused_adamw(device_type))
+
+
+def adam_step(optimizer: torch.optim.Optimizer, param: torch.Tensor, step: float) -> torch.Tensor:
+    """AdamW's state["step"] for `param`, placed as AdamW itself places it (torch/optim/adam.py: a float32
+    0-d tensor on the CPU, on the parameter's device when its group is fused or capturable): for
+    optimizer state written directly on load."""
+    import torch
+
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.tensor(float(step), dtype=torch.float32, device=param.device if on_device else "cpu")

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from zerodp.convert.full_state import FullState  # what load_full receives
+from zerodp.optim import adam_step
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -89,7 +90,7 @@ def load_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir
             if n not in meta["step"]:
                 continue
             optimizer.state[p] = {
-                "step": torch.tensor(meta["step"][n], dtype=torch.float32),
+                "step": adam_step(optimizer, p, meta["step"][n]),
                 "exp_avg": moments.get_tensor(f"{n}/exp_avg").to(p.device, p.dtype),
                 "exp_avg_sq": moments.get_tensor(f"{n}/exp_avg_sq").to(p.device, p.dtype),
             }
@@ -134,7 +135,7 @@ def load_full_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, sta
             p.copy_(state.get(n, "param", p.shape))
             if state.with_optimizer:
                 optimizer.state[p] = {
-                    "step": torch.tensor(state.step(n), dtype=torch.float32),
+                    "step": adam_step(optimizer, p, state.step(n)),
                     "exp_avg": state.get(n, "exp_avg", p.shape).to(p.device, p.dtype),
                     "exp_avg_sq": state.get(n, "exp_avg_sq", p.shape).to(p.device, p.dtype),
                 }

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from zerodp.models import materialise
-from zerodp.optim import adamw_kwargs, param_groups
+from zerodp.optim import adamw, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (
     FullState,
@@ -49,7 +49,7 @@ class DDPStrategy:
             # The reducer's own all-reduces run in C++, out of zerodp.telemetry.comm's sight; the hook issues the
             # same ones from Python, so they are counted.
             self.model.register_comm_hook(None, _mean_allreduce)
-        self.optimizer = torch.optim.AdamW(param_groups(self.module, ctx.cfg), **adamw_kwargs(ctx.cfg))
+        self.optimizer = adamw(param_groups(self.module, ctx.cfg), ctx.cfg, ctx.device.type)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
         # Parameter hooks, not the comm hook: a bucket holds the micro batches' sum under no_sync, and the
         # hooks see each micro batch's gradient, the small batch every strategy measures (docs/grad_noise.md).

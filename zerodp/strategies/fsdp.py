@@ -33,7 +33,8 @@ from torch.distributed.tensor import DTensor
 
 from zerodp.convert.safeload import safe_dcp_planner, safe_dcp_reader
 from zerodp.errors import CheckpointError, UserError
-from zerodp.optim import adamw_kwargs, param_groups
+from zerodp.models import compile_blocks
+from zerodp.optim import adam_step, adamw, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (
     DTYPES,
@@ -83,12 +84,16 @@ def device_mesh(ctx: RunContext):
 def apply_fsdp(model: nn.Module, ctx: RunContext) -> nn.Module:
     """Shard `model` in place: one unit per transformer block, then the root.
 
-    Ordering rules: activation checkpointing is already inside the model's forward (it must wrap the
-    block's forward inside the FSDP unit, so that recomputation re-gathers through FSDP's hooks);
+    Ordering rules (torchtitan's parallelize: activation checkpointing, then compile, then shard):
+    activation checkpointing is already inside the model's forward (it must wrap the block's forward
+    inside the FSDP unit, so that recomputation re-gathers through FSDP's hooks); with train.compile each
+    block's forward is compiled next (zerodp.models.compile_blocks), so FSDP's hooks stay outside it;
     blocks are sharded before the root, because fully_shard on a module takes every parameter not
     already claimed by a child unit: the root then holds only the embeddings (= lm_head when tied),
     the final norm and an untied head.
     The optimizer is built after this, over the DTensor shards."""
+    if ctx.cfg.train.compile:
+        compile_blocks(model)
     mesh = device_mesh(ctx)
     kwargs = dict(mesh=mesh, mp_policy=mixed_precision(ctx.cfg.train.precision), offload_policy=offload(ctx))
     reshard = ctx.cfg.strategy.reshard_after_forward
@@ -124,7 +129,7 @@ class FSDPStrategy:
         offloaded = ctx.cfg.strategy.offload_params or ctx.cfg.strategy.offload_optimizer
         self.model.to_empty(device="cpu" if offloaded else ctx.device)
         self._initialise(ctx.cfg.train.seed)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, ctx.cfg), **adamw_kwargs(ctx.cfg))
+        self.optimizer = adamw(param_groups(self.model, ctx.cfg), ctx.cfg, "cpu" if offloaded else ctx.device.type)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
         self._unsharded_peak = 0
         for unit in [*self.model.blocks(), self.model]:
@@ -275,7 +280,7 @@ class FSDPStrategy:
                 for kind in ("exp_avg", "exp_avg_sq"):
                     moments[kind] = torch.zeros_like(p)
                     _copy_shard(moments[kind], state.get(name, kind, p.shape))
-                moments["step"] = torch.tensor(state.step(name), dtype=torch.float32)
+                moments["step"] = adam_step(self.optimizer, p, state.step(name))
                 self.optimizer.state[p] = moments
 
 

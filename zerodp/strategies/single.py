@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from zerodp.models import materialise
-from zerodp.optim import adamw_kwargs, param_groups
+from zerodp.optim import adamw, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (
     FullState,
@@ -32,7 +32,7 @@ class SingleStrategy:
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx
         self.model = materialise(model, ctx.device, ctx.cfg.train.seed)
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, ctx.cfg), **adamw_kwargs(ctx.cfg))
+        self.optimizer = adamw(param_groups(self.model, ctx.cfg), ctx.cfg, ctx.device.type)
         # fp16 needs dynamic loss scaling; bf16 and fp32 do not (scaler disabled = identity).
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
         self.local_norms = local_grad_norms(ctx, self.model.parameters())  # one process: micro batch vs global

@@ -23,7 +23,7 @@ from torch import nn
 
 from zerodp.config import Config
 from zerodp.errors import UserError
-from zerodp.optim import adamw_kwargs, param_groups
+from zerodp.optim import adam_step, adamw, adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import FullState, local_grad_norms, optimizer_state_tensors, set_lr, tensor_bytes
 from zerodp.strategies.deepspeed_config import deepspeed_config  # tests and benchmarks read it here too
@@ -137,13 +137,16 @@ class ZeroStrategy:
 
     def _optimizer(self, model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
         """AdamW over zerodp's param groups; DeepSpeedCPUAdam (the same AdamW, vectorised on the CPU)
-        when the optimizer state lives in CPU memory, where torch's AdamW would be several times slower."""
+        when the optimizer state lives in CPU memory, where torch's AdamW would be several times slower.
+        DeepSpeed takes it as the engine's basic optimizer as it is (deepspeed/runtime/engine.py
+        _configure_optimizer): on CUDA torch's fused AdamW (zerodp.optim.adamw) is what steps the flat fp32
+        partitions, DeepSpeed's own FusedAdam (a JIT-built extension) is not needed."""
         groups, kwargs = param_groups(model, cfg), adamw_kwargs(cfg)
         if cfg.strategy.offload_optimizer:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
-        return torch.optim.AdamW(groups, **kwargs)
+        return adamw(groups, cfg, self.ctx.device.type)
 
     def micro_step(self, is_last: bool):
         # DeepSpeed reduces (ZeRO-1) and steps only at the boundary; the loop calls step() once after.
@@ -302,9 +305,9 @@ class ZeroStrategy:
         step = max(state.step(n) for n in state.names)
         for flat in flats:
             if flat in self.optimizer.state and self.optimizer.state[flat]:
-                self.optimizer.state[flat]["step"] = _adam_step(self.optimizer, step)
+                self.optimizer.state[flat]["step"] = _adam_step(self.optimizer, flat, step)
                 continue
-            self.optimizer.state[flat] = {"step": _adam_step(self.optimizer, step),
+            self.optimizer.state[flat] = {"step": _adam_step(self.optimizer, flat, step),
                                           "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
         if self.stage != 3:  # DeepSpeed links parameter fragments to optimizer state once; relink
             zero_opt._hp_optimizer_states_linked = False
@@ -342,9 +345,10 @@ def _skipped_steps(source) -> int:
     return int(safe_torch_load(inner.model_file).get("skipped_steps") or 0)
 
 
-def _adam_step(optimizer: torch.optim.Optimizer, step: float):
-    """torch's AdamW keeps the step as a float tensor, DeepSpeedCPUAdam as an int."""
-    return torch.tensor(step, dtype=torch.float32) if isinstance(optimizer, torch.optim.AdamW) else int(step)
+def _adam_step(optimizer: torch.optim.Optimizer, flat: torch.Tensor, step: float):
+    """torch's AdamW keeps the step as a float tensor (where zerodp.optim.adam_step puts it), DeepSpeedCPUAdam
+    as an int."""
+    return adam_step(optimizer, flat, step) if isinstance(optimizer, torch.optim.AdamW) else int(step)
 
 
 def _partition_range(p: torch.Tensor, rank: int) -> tuple[int, int]:

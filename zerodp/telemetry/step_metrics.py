@@ -39,24 +39,27 @@ class Pending:
     zerodp.telemetry.grad_noise), a 0-d tensor; None where not measured."""
 
 
-def fetch_interval(pending: list[Pending], request_code: float):
+def fetch_interval(pending: list[Pending], request_code: float, interval_start: float | None = None):
     """The figures of the steps since the last sync point, on every rank.
 
     One device sync (the stacked losses and norms to the host; the Stopwatches' CUDA events are done
     then) and one all-gather. Returns (per step: one row per rank of [loss, step seconds, data wait,
-    grad norm, forward seconds, probe seconds, local gradient norm squared (nan where not measured)];
-    seconds the all-gather took; the highest preemption request of any rank, 0 for none: the signal of
-    any rank stops all of them)."""
+    grad norm, forward seconds, probe seconds, local gradient norm squared (nan where not measured),
+    wall seconds per step]; seconds the all-gather took; the highest preemption request of any rank, 0
+    for none: the signal of any rank stops all of them). The wall seconds are the interval's: from
+    `interval_start` (perf_counter; the loop's start of the interval) to the moment the device finished
+    its last step (after the sync), over its steps, the same for each; 0 without an `interval_start`."""
     on_device = [v.detach().float() for p in pending for v in (p.loss, p.grad_norm, p.local_grad_sq)
                  if torch.is_tensor(v)]
     fetched = iter(torch.stack(on_device).tolist())
+    wall = (time.perf_counter() - interval_start) / len(pending) if interval_start is not None else 0.0
     values = []
     for p in pending:
         loss = next(fetched)
         norm = next(fetched) if torch.is_tensor(p.grad_norm) else p.grad_norm
         local_sq = next(fetched) if torch.is_tensor(p.local_grad_sq) else float("nan")
         values += [loss, p.timer.seconds(), p.data_wait_s, norm, p.forward.seconds(),
-                   p.probe.seconds() if p.probe is not None else 0.0, local_sq]
+                   p.probe.seconds() if p.probe is not None else 0.0, local_sq, wall]
     t0 = time.perf_counter()
     gathered = all_gather_floats(values + [request_code])
     sync_wait = time.perf_counter() - t0
@@ -69,8 +72,11 @@ class Throughput:
     """Turns a step's per-rank figures into its metrics.jsonl record: tokens/s (all ranks and per
     device) and, where the device's peak is known, MFU: the model's FLOPs per token
     (`zerodp.models.flops_per_token`: 6 per multiplying parameter plus attention) times tokens/s per
-    device, over the peak. A step's time is the slowest rank's, plus the wait for the exchange at a
-    sync point; the tokens are the whole global batch."""
+    device, over the peak. Both come from the wall time per step (`wall_step_s`): the slowest rank's
+    wall-clock seconds of the interval between two sync points over its steps, which counts everything
+    between the steps too (the wait for data, the loop's host work, logging, the exchange at the sync
+    point) but not evaluations and checkpoint saves; the tokens are the whole global batch.
+    `step_time_s` stays the rank's own step (forward, backward, optimizer) plus its data wait."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, flops_per_token: int, peak: float | None,
                  tokens: int = 0):
@@ -90,15 +96,16 @@ class Throughput:
         self.tokens += self.tokens_per_step
         times = [r[1] + r[2] for r in per_rank]
         slowest = max(range(len(times)), key=lambda r: times[r])
+        wall = max(r[7] for r in per_rank) or max(times) + sync_wait  # without a wall figure: the steps' own
         return {
             "step": p.step, "loss": sum(r[0] for r in per_rank) / len(per_rank), "lr": p.lr,
-            "grad_norm": per_rank[self.rank][3], "tokens": self.tokens, **self.rate(max(times) + sync_wait),
+            "grad_norm": per_rank[self.rank][3], "tokens": self.tokens, **self.rate(wall), "wall_step_s": wall,
             "step_time_s": times[self.rank], "max_step_time_s": times[slowest], "slowest_rank": slowest,
             "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
         }
 
     def summary(self, records: list[dict], straggler_wait_s: float, save_s: float) -> dict:
-        """The run's figures: at the median step (of the job: the slowest rank's time plus the exchange),
+        """The run's figures: at the median step (of the job: the slowest rank's wall time per step),
         and the seconds the job waited for data, for stragglers and for checkpoint saves."""
         if not records:
             return {}

@@ -176,16 +176,18 @@ class Steps:
         """What rank 0 holds after the first step (strategy.state_bytes)."""
         self.done = 0
         self.stopped_early = self.ctrl_c = False
+        self.interval_start = 0.0
+        """perf_counter at the start of the steps since the last sync point, less evaluations and saves."""
 
     def run(self, train_data: TokenBatches, val_data: TokenBatches, start: int) -> None:
         cfg, env, guards, watch = self.cfg, self.env, self.guards, self.guards.watch
         pending: list[Pending] = []
         step_comm: dict[int, dict] = {}  # each pending step's collectives (zerodp.telemetry.comm), for its record
         self.done = start
-        t_end = time.perf_counter()
+        t_end = self.interval_start = time.perf_counter()
         self.strategy.model.train()
         for step, micro_batches in prefetch(train_data, range(start, cfg.train.max_steps), cfg,
-                                            env.rank, env.world_size, cfg.data.prefetch):
+                                            env.rank, env.world_size, cfg.data.prefetch, env.device):
             guards.step = step  # the step in progress, for the line of a failed collective
             t0 = time.perf_counter()
             lr = lr_at(cfg, step)
@@ -209,7 +211,9 @@ class Steps:
             stop = self._sync_point(pending, step_comm, evaluate_now, t_end, val_data)
             pending = []
             if stop or save_now:
+                t_save = time.perf_counter()
                 self.checkpointer.save(done, self.records.trainer_state(done))
+                self.interval_start += time.perf_counter() - t_save  # saves are counted apart (checkpoint_save_s)
                 self.records.flush()
             if stop:
                 self.ctrl_c = stop == Preemption.CTRL_C
@@ -223,7 +227,10 @@ class Steps:
                     val_data: TokenBatches) -> float:
         """Fetch, record and publish the pending steps' figures (and a validation loss); return the
         preemption request shared by the ranks (Preemption.request_code, 0 for none)."""
-        per_step, sync_wait, stop = fetch_interval(pending, self.guards.preemption.request_code)
+        per_step, sync_wait, stop = fetch_interval(pending, self.guards.preemption.request_code, self.interval_start)
+        # The next interval's wall time starts where this one's ended, when the device was done: the
+        # exchange, the records and the logging below belong to the next steps' time, evaluation does not.
+        self.interval_start = time.perf_counter() - sync_wait
         self.guards.watch.step_done(pending[-1].step, time.perf_counter() - t_end)
         new = []
         for p, per_rank in zip(pending, per_step):
@@ -234,7 +241,9 @@ class Steps:
                 record["stragglers"] = found
             new.append(record)
         if evaluate_now:
+            t_eval = time.perf_counter()
             new[-1]["val_loss"] = evaluate(self.strategy, val_data, self.cfg, self.env)
+            self.interval_start += time.perf_counter() - t_eval
         self.records.publish(new)
         return stop
 

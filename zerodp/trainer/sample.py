@@ -7,6 +7,14 @@ did (no full fp32 copy of the weights on any rank). Every rank must therefore ru
 calls in the same order: each step's token is drawn on every rank from the same seeded generator and
 then broadcast from rank 0, so the ranks' sequences, and so their forwards, never diverge.
 
+Decoding keeps a key/value cache (zerodp.models.common.KVCache): the prompt runs once, then each new
+token alone through every block, attending to the cached keys and values, instead of re-running the
+whole sequence per token. Under zero3 and fsdp each token still gathers every block once (the cache
+saves the compute over the sequence and its activations, not the gathers). Once the sequence is longer
+than block_size, each token re-runs the last block_size tokens from position 0, without a cache, as
+`generate` does; `cache=False` decodes that way throughout (the reference the cached path is tested
+against: the same greedy tokens).
+
 Sampling is DecoderLM.generate's (temperature 0.8, top-k 50, one multinomial draw per token, on the
 CPU from a generator seeded with train.seed): the same weights give the same tokens as `generate`
 on one process after `torch.manual_seed(train.seed)` (tests/distributed/test_sample.py).
@@ -88,22 +96,32 @@ def next_token(logits: torch.Tensor, generator: torch.Generator, temperature: fl
 
 
 @torch.no_grad()
-def generate_tokens(strategy, cfg: Config, env: DistEnv, new_tokens: int) -> list[int]:
-    """Collective: the prompt and `new_tokens` tokens generated through `strategy.model` on every rank.
+def generate_tokens(strategy, cfg: Config, env: DistEnv, new_tokens: int, temperature: float = TEMPERATURE,
+                    cache: bool = True) -> list[int]:
+    """Collective: the prompt and `new_tokens` tokens generated through `strategy.model` on every rank
+    (temperature 0: greedy), with a key/value cache unless `cache` is False.
 
     Eval mode, no gradients, the strategy's autocast; the module's train/eval mode is restored after."""
+    from zerodp.models.common import KVCache
+
     model = strategy.model
     was_training = model.training
     generator = torch.Generator().manual_seed(cfg.train.seed)
     idx = torch.tensor([prompt_tokens(cfg)], dtype=torch.long)  # (1, T) on the CPU
     block = cfg.model.block_size
     broadcast = dist.is_initialized() and dist.get_world_size() > 1
+    kv = KVCache(cfg.model.n_layer) if cache else None
     model.eval()
     try:
         for _ in range(new_tokens):
+            if kv is not None and idx.shape[1] > block:
+                kv = None  # past the context: re-run the last block_size tokens per token, as generate does
             with strategy.autocast():
-                logits = model(idx[:, -block:].to(env.device))  # (1, T, V)
-            token = next_token(logits[:, -1, :], generator)  # (1, 1)
+                if kv is None:
+                    logits = model(idx[:, -block:].to(env.device))  # (1, T, V)
+                else:  # the prompt, then only the newest token
+                    logits = model(idx[:, kv.pos:].to(env.device), cache=kv)
+            token = next_token(logits[:, -1, :], generator, temperature)  # (1, 1)
             if broadcast:  # a CPU tensor: gloo carries it beside nccl
                 dist.broadcast(token, src=0)
             idx = torch.cat([idx, token], dim=1)

@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.h
     from zerodp.config import ModelConfig
 
 from zerodp.models.arch import arch_of
-from zerodp.models.common import DecoderLM
+from zerodp.models.common import DecoderLM, LayerKV, attend
 
 
 class CausalSelfAttention(nn.Module):
@@ -30,14 +30,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(a.n_embd, a.n_embd, bias=a.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, nh, T, hs)
+        y = attend(q, k, v, kv, drop)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return F.dropout(self.c_proj(y), drop, self.training)
 
@@ -64,8 +64,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(a.n_embd, eps=a.norm_eps, bias=a.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -92,12 +92,12 @@ class GPT(DecoderLM):
         """The transformer blocks: the unit of activation checkpointing and of FSDP sharding."""
         return list(self.transformer.h)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+        pos = torch.arange(start, start + idx.shape[1], device=idx.device)
         return self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
 
-    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return block(x)
+    def run_block(self, block: nn.Module, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        return block(x) if kv is None else block(x, kv)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.h
 
 from zerodp.errors import ConfigError
 from zerodp.models.arch import Arch, arch_of
-from zerodp.models.common import DecoderLM
+from zerodp.models.common import DecoderLM, LayerKV, attend
 
 
 class RMSNorm(nn.Module):
@@ -64,6 +64,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def native_gqa(q: torch.Tensor) -> bool:
+    """Whether SDPA takes the kv heads as they are (`enable_gqa=True`, no copy of k and v per query
+    head) for queries like `q`: on the CPU (its flash kernel groups heads itself) and for 16-bit CUDA
+    tensors, where the flash kernel does. torch's SDPA documents grouped-query support on CUDA for the
+    flash and math kernels only, so fp32 CUDA queries (no flash kernel) would fall to the math kernel:
+    there k and v are repeated instead, which keeps the memory-efficient kernel."""
+    return q.device.type != "cuda" or q.dtype in (torch.float16, torch.bfloat16)
+
+
 class Attention(nn.Module):
     def __init__(self, a: Arch, dropout: float):
         super().__init__()
@@ -79,7 +88,7 @@ class Attention(nn.Module):
         normalises each head)."""
         return q, k
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         a = self.a
         q, k = self.norm_heads(self.q_proj(x).view(B, T, a.n_head, a.head_dim),
@@ -88,11 +97,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, a.n_kv_head, a.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         q = (q * cos + rotate_half(q) * sin).to(v.dtype)
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)
-        if a.n_kv_head != a.n_head:  # each kv head serves n_head / n_kv_head consecutive query heads
+        gqa = a.n_kv_head != a.n_head  # each kv head serves n_head / n_kv_head consecutive query heads
+        if gqa and not native_gqa(q):
             k = k.repeat_interleave(a.n_head // a.n_kv_head, dim=1)  # (B, nh, T, hd)
             v = v.repeat_interleave(a.n_head // a.n_kv_head, dim=1)
         drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)  # (B, nh, T, hd)
+        y = attend(q, k, v, kv, drop, enable_gqa=gqa and native_gqa(q))  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, a.n_head * a.head_dim)
         return F.dropout(self.o_proj(y), drop, self.training)
 
@@ -118,8 +128,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.n_embd, a.norm_eps)
         self.mlp = MLP(a, dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -146,17 +156,18 @@ class Llama(DecoderLM):
         """The transformer blocks: the unit of activation checkpointing and of FSDP sharding."""
         return list(self.model.layers)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
         T = idx.shape[1]
         inv = rope_frequencies(self.arch, idx.device)
-        freqs = torch.outer(torch.arange(T, device=idx.device, dtype=torch.float32), inv)  # (T, hd/2)
+        positions = torch.arange(start, start + T, device=idx.device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv)  # (T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
         self._rope = (emb.cos(), emb.sin())
         return self.model.embed_tokens(idx)  # (B, T, C)
 
-    def run_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def run_block(self, block: nn.Module, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         cos, sin = self._rope
-        return block(x, cos, sin)
+        return block(x, cos, sin) if kv is None else block(x, cos, sin, kv)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(x))  # (B, T, V)

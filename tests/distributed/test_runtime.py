@@ -1,0 +1,51 @@
+"""The runtime on real process groups: subgroups keep the run's timeout; every strategy's step returns
+its figures on the device the loop stacks them on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from tests.support.harness import ROOT, run_distributed
+
+
+def test_hsdp_and_hpz_subgroups_get_the_runs_timeout():
+    # The harness's default group has init_distributed's 600 s; a subgroup made without a timeout gets
+    # gloo's default, 30 minutes (what HSDP's mesh and hpZ's groups had).
+    results = run_distributed("tests.support.runtime_workers:subgroup_timeouts", 4, {"timeout_s": 123})
+    for r in results:
+        assert r["world"] == 600 and r["plain_new_group"] == 1800, r
+        assert (r["replicate"], r["shard"], r["shard_size"]) == (123, 123, 2), r
+        assert (r["hpz"], r["hpz_size"]) == (600, 2), r
+
+
+FAKE_SRUN = """#!/usr/bin/env bash
+echo "SRUN_CPUS_PER_TASK=${SRUN_CPUS_PER_TASK:-unset} $*" > "$SRUN_SAW"
+"""
+
+
+@pytest.mark.parametrize("given, expected", [({"SLURM_CPUS_PER_TASK": "32"}, "32"),
+                                             ({"SLURM_CPUS_PER_TASK": "32", "SRUN_CPUS_PER_TASK": "8"}, "8"),
+                                             ({}, "unset")])
+def test_slurm_script_hands_the_tasks_cpus_to_srun(tmp_path, given, expected):
+    # Slurm is not installed here: srun and scontrol are stand-ins on PATH; the script itself runs in bash
+    # with the variables sbatch sets. srun must see the job's CPUs per task (Slurm >= 22.05 no longer
+    # passes --cpus-per-task to it), and a value the user exported for srun is kept.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    # one line per write, as scontrol prints a long node list: the script must read it whole (pipefail)
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\nfor n in $(seq 1 20000); do echo node$n; done\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SRUN_SAW=str(tmp_path / "saw"), SLURM_JOB_NODELIST="node[1-2]",
+               SLURM_NNODES="2", SLURM_JOB_ID="7", SLURM_GPUS_PER_NODE="8", **given)
+    r = subprocess.run(["bash", "launchers/slurm.sbatch", "configs/gpt2-124m.yaml"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    saw = (tmp_path / "saw").read_text()
+    assert saw.startswith(f"SRUN_CPUS_PER_TASK={expected} python -m zerodp.distributed.launcher --nnodes 2 "), saw
+    assert "--rdzv-endpoint node1:29400" in saw, saw

@@ -49,3 +49,29 @@ def test_slurm_script_hands_the_tasks_cpus_to_srun(tmp_path, given, expected):
     saw = (tmp_path / "saw").read_text()
     assert saw.startswith(f"SRUN_CPUS_PER_TASK={expected} python -m zerodp.distributed.launcher --nnodes 2 "), saw
     assert "--rdzv-endpoint node1:29400" in saw, saw
+
+
+def test_every_strategys_step_returns_its_figures_on_the_declared_device(tiny):
+    # What the loop stacks at a sync point (zerodp.telemetry.step_metrics.fetch_interval): the loss, the
+    # grad norm and the local gradient norm, 0-d tensors on strategy.ctx.device (DeepSpeed hands the norm
+    # back as a float). fsdp with offload keeps its gradient shards in host memory: on a GPU its norm was
+    # a CPU tensor beside the loss on the device, and torch.stack failed at the first sync point.
+    common = tiny + ["train.grad_noise_scale=true", "train.precision=fp32"]
+    strategies = [["strategy.name=ddp"], ["strategy.name=zero1"], ["strategy.name=zero2"], ["strategy.name=zero3"],
+                  ["strategy.name=fsdp"], ["strategy.name=fsdp", "strategy.offload_optimizer=true"],
+                  ["strategy.name=fsdp", "strategy.offload_params=true", "strategy.reshard_after_forward=false"]]
+    results = run_distributed("tests.support.runtime_workers:step_output_devices", 2,
+                              {"runs": [common + s for s in strategies]})
+    for rank in results:
+        for s, r in zip(strategies, rank):
+            what = f"{' '.join(s)}: {r}"
+            assert r["loss"] == r["declared"] == "cpu", what
+            assert r["grad_norm"] in (r["declared"], "float"), what
+            assert r["local_sq"] == r["declared"], what  # every strategy measures it at 2 ranks, 3 micro batches
+            assert all(shape == () for shape in r["shapes"]), what
+            assert all(v == v and v > 0 for v in r["stacked"]), what  # finite, positive: real figures
+    assert [r["grad_norm"] for r in results[0]] == ["cpu", "float", "float", "float", "cpu", "cpu", "cpu"]
+    alone = run_distributed("tests.support.runtime_workers:step_output_devices", 1,
+                            {"runs": [common + ["strategy.name=single"]]})[0][0]
+    assert alone["loss"] == alone["grad_norm"] == alone["declared"] == "cpu", alone
+    assert alone["local_sq"] in ("cpu", "None"), alone  # measured only where the micro batch is smaller

@@ -194,7 +194,9 @@ class FSDPStrategy:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.detach()
+        # With offload the gradient shards live in host memory, and so does their norm, while the loss and
+        # the local norms are on the device: the loop stacks them all (a copy of one host scalar, no sync).
+        return norm.detach().to(self.ctx.device)
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's bytes, counted from live tensors (padding of uneven shards included).

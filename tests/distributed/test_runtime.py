@@ -75,3 +75,12 @@ def test_every_strategys_step_returns_its_figures_on_the_declared_device(tiny):
                             {"runs": [common + ["strategy.name=single"]]})[0][0]
     assert alone["loss"] == alone["grad_norm"] == alone["declared"] == "cpu", alone
     assert alone["local_sq"] in ("cpu", "None"), alone  # measured only where the micro batch is smaller
+
+
+def test_a_run_reports_its_start_up_and_training_peaks(tiny, tmp_path):
+    overrides = tiny + ["strategy.name=single", "train.max_steps=2", f"train.out_dir={tmp_path}"]
+    r = run_distributed("tests.support.runtime_workers:train_memory", 1, {"overrides": overrides})[0]
+    m = r["memory"]
+    assert m["measure"] == "peak_rss", m  # a CPU: no allocator peak; the process's peak RSS, reset after start-up
+    assert 50 * 2**20 < m["startup_peak_bytes"] < 8 * 2**30 and 50 * 2**20 < m["train_peak_bytes"] < 8 * 2**30, m
+    assert "peak_allocated_bytes" not in r["planned"], r  # set against the plan on CUDA only

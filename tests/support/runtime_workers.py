@@ -57,3 +57,11 @@ def step_output_devices(runs: list[list[str]]) -> list[dict]:
                     "shapes": [tuple(v.shape) for v in values],
                     "stacked": torch.stack([v.detach().float() for v in values]).tolist()})
     return out
+
+
+def train_memory(overrides: list[str]) -> dict:
+    """The summary's peaks and memory lines of a short run."""
+    from zerodp.trainer.loop import train
+
+    summary = train(load_config(None, overrides), fresh=True)
+    return {"memory": summary["memory"], "planned": sorted(summary["planned"])}

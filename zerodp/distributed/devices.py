@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
+import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from zerodp.errors import OneLineParser
+from zerodp.errors import OneLineParser, UserError
 
 # Values of CUDA_VISIBLE_DEVICES that hide every GPU: answered without importing torch (seconds).
 _HIDES_ALL = ("", "-1", "NoDevFiles")
@@ -26,24 +29,126 @@ _HIDES_ALL = ("", "-1", "NoDevFiles")
 def usable_gpus(device_count: int, visible: str | None, max_gpus: int | None = None) -> int:
     """GPUs a launch may use: `device_count` (what CUDA enumerates, CUDA_VISIBLE_DEVICES applied),
     or 0 when `visible` (CUDA_VISIBLE_DEVICES, None when unset) hides them all; at most `max_gpus`."""
-    if _hides_all(visible):
+    if hides_all(visible):
         return 0
     count = max(0, device_count)
     return count if max_gpus is None else min(count, max_gpus)
 
 
-def _hides_all(visible: str | None) -> bool:
+def hides_all(visible: str | None) -> bool:
     return visible is not None and visible.strip() in _HIDES_ALL
 
 
 def count_gpus(max_gpus: int | None = None, environ: Mapping[str, str] = os.environ) -> int:
     """usable_gpus of this process: 0 with a CPU build of torch or without a working driver."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if _hides_all(visible):
+    if hides_all(visible):
         return 0
     import torch  # after the check above: a CPU-only launch need not wait for it
 
     return usable_gpus(torch.cuda.device_count(), visible, max_gpus)
+
+
+def cuda_index(local_rank: int, device_count: int, local_world_size: int | None) -> int:
+    """The CUDA device a rank uses, of the `device_count` this process sees (CUDA_VISIBLE_DEVICES applied).
+
+    torchrun and the deepspeed launcher show every rank of a node all of its GPUs: rank LOCAL_RANK takes
+    device LOCAL_RANK. A scheduler that binds each task to its own GPU (`srun --gpus-per-task=1`, a
+    Kubernetes pod with one `nvidia.com/gpu`) shows each rank one device, index 0, whatever its local
+    rank. Anything else would put two ranks of the node on one GPU (NCCL refuses: "Duplicate GPU
+    detected") or name a device that does not exist: refused. `local_world_size` None: not known."""
+    if device_count == 1:
+        return 0
+    if local_rank < device_count and (local_world_size is None or local_world_size <= device_count):
+        return local_rank
+    ranks = f"{local_world_size} ranks on this node" if local_world_size else f"local rank {local_rank}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    raise UserError(f"local rank {local_rank}: {ranks} but this process sees {device_count} GPUs{shown}, so ranks "
+                    f"would share a GPU; start at most {device_count} ranks per node (--nproc-per-node "
+                    f"{device_count}), or have the scheduler show each rank its own single GPU "
+                    f"(srun --gpus-per-task=1)")
+
+
+def thread_count(own_cpus: Sequence[int], node_cpu_sets: Sequence[Sequence[int]]) -> int:
+    """Intra-op threads for a rank that may run on `own_cpus` (its affinity mask), beside the ranks of its
+    node whose masks are `node_cpu_sets` (this rank's included): its cores over the ranks sharing them.
+
+    Ranks that torchrun or the deepspeed launcher start inherit one mask (the node's cores, or what Slurm
+    gave the agent's task): each gets an equal part. Ranks a scheduler bound to cores of their own
+    (srun with --cpus-per-task per rank) share nothing: each uses its whole mask."""
+    own = set(own_cpus)
+    sharing = sum(1 for cpus in node_cpu_sets if own & set(cpus))
+    return max(1, len(own) // max(1, sharing))
+
+
+TORCHRUN_OMP_DEFAULT = "ZERODP_OMP_NUM_THREADS_FROM_USER"
+"""Set by zerodp.distributed.launcher before torchrun starts: "1" when OMP_NUM_THREADS came from the user,
+"0" when torchrun will set its own default (1 for several processes per node)."""
+
+
+def user_threads(environ: Mapping[str, str]) -> bool:
+    """Whether the user chose OMP_NUM_THREADS. torchrun sets OMP_NUM_THREADS=1 itself for several
+    processes per node (torch/distributed/run.py); zerodp's launcher says which it was, and under plain
+    torchrun a 1 with several local ranks is taken for torchrun's default."""
+    if "OMP_NUM_THREADS" not in environ:
+        return False
+    said = environ.get(TORCHRUN_OMP_DEFAULT)
+    if said in ("0", "1"):
+        return said == "1"
+    torchrun_default = (environ.get("TORCHELASTIC_RUN_ID") is not None and environ["OMP_NUM_THREADS"] == "1"
+                        and int(environ.get("LOCAL_WORLD_SIZE") or 1) > 1)
+    return not torchrun_default
+
+
+def affinity() -> list[int]:
+    """The CPUs this process may run on (Slurm's and taskset's binding applied), else every core."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def nvidia_smi() -> str | None:
+    """The output of `nvidia-smi` (its header names the driver and the newest CUDA it supports), or None
+    where it is not installed or fails (no driver, no GPU)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def unusable_gpu(smi: str | None, torch_version: str, torch_cuda: str | None) -> str | None:
+    """For train.device=auto where torch.cuda.is_available() is False: the one-line error when `smi`
+    (nvidia-smi's output, None when it did not run) shows that the machine has a working NVIDIA
+    driver, saying why torch cannot use it (`torch_cuda`: torch.version.cuda, None for a CPU-only
+    build) and how to fix it; None where there is no GPU to miss."""
+    driver = re.search(r"Driver Version:\s*([\d.]+)", smi or "")
+    if driver is None:  # nvidia-smi prints its header only when it reached the driver
+        return None
+    supported = re.search(r"CUDA Version:\s*([\d.]+)", smi)
+    has = f"driver {driver.group(1)}" + (
+        f", CUDA {supported.group(1)} or older" if supported else "")
+    found = f"train.device=auto: nvidia-smi shows a GPU ({has}) but torch {torch_version} cannot use it: "
+    cpu = "or set train.device=cpu to train on the CPU"
+    if torch_cuda is None:
+        wheel = f"cu{supported.group(1).replace('.', '')}" if supported else "cuXYZ"
+        return (found + f"it is a CPU-only build; install a CUDA build of torch (e.g. pip install torch "
+                        f"--index-url https://download.pytorch.org/whl/{wheel}, or an older cu index), " + cpu)
+    if supported and _version(torch_cuda) > _version(supported.group(1)):
+        return (found + f"it is built for CUDA {torch_cuda}, newer than the driver supports "
+                        f"({supported.group(1)}); update the NVIDIA driver, or install a torch build for CUDA "
+                        f"{supported.group(1)} or older, " + cpu)
+    return (found + f"it is built for CUDA {torch_cuda} and torch.cuda.is_available() is False; check that this "
+                    f"process may open the GPUs (/dev/nvidia*, a container's --gpus), " + cpu)
 
 
 class _Parser(OneLineParser):

@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from zerodp.distributed.devices import TORCHRUN_OMP_DEFAULT
+
 OUTCOME_DIR = "ZERODP_OUTCOME_DIR"
 
 ZERODP_CODES = (2, 130, 143)
@@ -146,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     with tempfile.TemporaryDirectory(prefix="zerodp-outcome-") as folder:
         os.environ[OUTCOME_DIR] = folder  # torchrun hands its environment to the ranks
+        # torchrun sets OMP_NUM_THREADS=1 when it is unset and several ranks share the node: tell the ranks
+        # whose choice it was (zerodp.distributed.devices.user_threads), so that they size their threads.
+        os.environ[TORCHRUN_OMP_DEFAULT] = "1" if "OMP_NUM_THREADS" in os.environ else "0"
         log = AgentLog(folder)
         for name in _AGENT_LOGGERS:
             logging.getLogger(name).addFilter(log)

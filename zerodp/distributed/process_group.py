@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from zerodp.distributed import devices
 from zerodp.errors import UserError
 
 
@@ -68,9 +69,13 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv
     use_cuda = torch.cuda.is_available() and device_pref in ("auto", "cuda")
     if device_pref == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device=cuda but no CUDA device is visible; set train.device=auto or cpu")
+    if device_pref == "auto" and not use_cuda and not devices.hides_all(os.environ.get("CUDA_VISIBLE_DEVICES")):
+        if problem := devices.unusable_gpu(devices.nvidia_smi(), torch.__version__, torch.version.cuda):
+            raise UserError(problem)  # a GPU machine would otherwise train on its CPU, 10-100x slower
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        index = devices.cuda_index(local_rank, torch.cuda.device_count(), _first_int(os.environ, LOCAL_WORLD_VARS))
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
         backend = "cpu:gloo,cuda:nccl"
     else:
         device = torch.device("cpu")
@@ -86,14 +91,45 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv
                 dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
             else:
                 dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    host = socket.gethostname()
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, host)
+    host, cpus = socket.gethostname(), devices.affinity()
+    placed = [None] * dist.get_world_size()
+    dist.all_gather_object(placed, (host, cpus))
+    hosts = [h for h, _ in placed]
     env = DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, host, hosts)
-    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # ranks of one node share its cores: no oversubscription
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    if not devices.user_threads(os.environ):
+        # On every device: a GPU run's host work (the CPU optimizer of offload, gloo, the prefetch thread)
+        # runs on these threads. Ranks sharing cores share them out: no oversubscription, no lone core.
+        torch.set_num_threads(devices.thread_count(cpus, [c for h, c in placed if h == host]))
     return env
+
+
+def world_timeout() -> datetime.timedelta:
+    """The default process group's timeout (strategy.timeout_s, set by init_distributed): what every
+    subgroup zerodp makes is given too. torch gives a subgroup made without one its backend's default
+    instead (30 minutes for gloo, NCCL's own for nccl: torch/distributed/distributed_c10d.py,
+    `_new_group_with_tag` and `_get_default_timeout`), not the default group's."""
+    return dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+
+
+def new_group(ranks: list[int]):
+    """dist.new_group with the default group's timeout (collective: every rank makes every group)."""
+    return dist.new_group(ranks, timeout=world_timeout())
+
+
+def mesh_options(device_type: str, timeout_s: float):
+    """Backend options carrying `timeout_s`, for `init_device_mesh(backend_override=...)`: the only way a
+    timeout reaches a device mesh's subgroups (torch/distributed/device_mesh.py,
+    `_init_one_process_group`: `timeout = pg_options._timeout`, passed to new_group / split_group). NCCL
+    insists on its own Options class; gloo reads only the timeout."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False  # torch's default for a group made without options
+        options._timeout = timeout
+        return options
+    from torch._C._distributed_c10d import Backend
+
+    return Backend.Options("gloo", timeout)
 
 
 def _first_int(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:

@@ -21,7 +21,7 @@ Optional abilities, looked up with getattr where they are used (a strategy witho
     local_grad_sq() -> Tensor | None                  after the backward passes, before step(): the mean
                                                        over the step's micro batches of this rank's own
                                                        micro-batch gradient norm squared, taken before any
-                                                       reduction and unscaled (0-d, on the device; None
+                                                       reduction and unscaled (0-d, on ctx.device; None
                                                        when not measured): the small batch of the gradient
                                                        noise scale (docs/grad_noise.md)
 """
@@ -84,9 +84,10 @@ class Strategy(Protocol):
     def step(self, lr: float) -> torch.Tensor | float:
         """Set lr, clip to optim.grad_clip, take the optimizer step, zero the gradients.
 
-        Returns the global gradient L2 norm before clipping (identical on every rank): a tensor on the
-        device where the strategy computes it there, so the step never waits for the device; a float
-        where the engine already brought it to the host (DeepSpeed)."""
+        Returns the global gradient L2 norm before clipping (identical on every rank): a 0-d tensor on
+        ctx.device (wherever the gradients live: the loop stacks it with the loss and local_grad_sq,
+        which are there too), so the step never waits for the device; a float where the engine already
+        brought it to the host (DeepSpeed)."""
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, counted from live tensors: keys 'params', 'grads', 'optim'."""

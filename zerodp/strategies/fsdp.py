@@ -32,6 +32,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from zerodp.convert.safeload import safe_dcp_planner, safe_dcp_reader
+from zerodp.distributed.process_group import mesh_options
 from zerodp.errors import CheckpointError, UserError
 from zerodp.models import compile_blocks
 from zerodp.optim import adam_step, adamw, param_groups
@@ -77,8 +78,11 @@ def device_mesh(ctx: RunContext):
     if ctx.world_size % group:
         raise UserError(f"strategy.shard_group_size={group} does not divide the world size {ctx.world_size}; "
                         f"set it to the number of ranks per node (a divisor of {ctx.world_size})")
+    # Its subgroups get strategy.timeout_s like the default group (a 1-D mesh reuses that group itself).
+    options = mesh_options(ctx.device.type, s.timeout_s)
     return init_device_mesh(ctx.device.type, (ctx.world_size // group, group),
-                            mesh_dim_names=("replicate", "shard"))
+                            mesh_dim_names=("replicate", "shard"),
+                            backend_override={"replicate": options, "shard": options})
 
 
 def apply_fsdp(model: nn.Module, ctx: RunContext) -> nn.Module:
@@ -195,7 +199,10 @@ class FSDPStrategy:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm.detach()
+        # With offload the gradient shards live in host memory, and so does their norm, while the loss and
+        # the local norms are on the device, where the loop stacks them all. non_blocking: a blocking copy
+        # would wait for the device's stream; from pageable memory CUDA stages the value at once.
+        return norm.detach().to(self.ctx.device, non_blocking=True)
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's bytes, counted from live tensors (padding of uneven shards included).

@@ -11,7 +11,7 @@ import os
 import torch
 
 from zerodp.config import StrategyConfig, zeropp_refusal
-from zerodp.distributed.process_group import LOCAL_WORLD_VARS
+from zerodp.distributed.process_group import LOCAL_WORLD_VARS, new_group
 from zerodp.errors import UserError
 
 
@@ -92,7 +92,13 @@ def hpz_group(size: int):
     groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
     if size == 1:
         return None
-    groups._create_zero_param_parallel_group(size)  # collective: every rank makes every group
+    # DeepSpeed's groups._create_zero_param_parallel_group makes the same groups (consecutive ranks) with
+    # dist.new_group(ranks) and no timeout, so torch's default would apply: made here with the run's own.
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    for first in range(0, world, size):  # collective: every rank makes every group
+        group = new_group(list(range(first, first + size)))
+        if first <= rank < first + size:
+            groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = group
     return groups._get_zero_param_intra_parallel_group()
 
 

@@ -26,6 +26,7 @@ from zerodp.resilience.preemption import Preemption
 from zerodp.resilience.stragglers import Stopwatch
 from zerodp.strategies import RunContext, make_strategy
 from zerodp.telemetry.comm import CommMeter, PlanCheck
+from zerodp.telemetry.memory import Peaks
 from zerodp.telemetry.step_metrics import Pending, fetch_interval
 from zerodp.trainer.guards import Guards
 from zerodp.trainer.preflight import (
@@ -82,6 +83,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     if cfg.train.compile:
         compile_blocks(strategy.model)
     dist.barrier()  # start-up is over on every rank
+    peaks = Peaks(env.device)
+    peaks.startup_over()  # the start-up peak, then a new peak for the steps
     # an imported checkpoint (zerodp convert --to zerodp) records the step only
     start = state.get("step", 0)
     tokens_seen = state.get("tokens", start * cfg.train.global_batch_size * cfg.model.block_size)
@@ -95,6 +98,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
             steps.run(ready.train_data, ready.val_data, start)
     finally:
         records.close()
+    peaks.training_over()
     guards.report()
     run = records.summary(guards.stragglers.waited_s, checkpointer.save_s)
 
@@ -103,8 +107,9 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
                "preempted": steps.stopped_early,
                "exit_code": 130 if steps.ctrl_c else 0,  # 130 after Ctrl-C, as a shell expects
                "final_step": steps.done, "state_bytes": held, "straggler_wait_s": guards.stragglers.waited_s,
-               "run": run, "comm": steps.meter.summary(),
-               "planned": plan_check.compare(steps.meter.summary(), held, env.device)}
+               "run": run, "comm": steps.meter.summary(), "memory": peaks.summary(),
+               "planned": plan_check.compare(steps.meter.summary(), held, env.device, peaks)}
+    log(env, peaks.line())
     log(env, plan_check.report(summary["planned"]))
     if return_weights:
         summary["weights"] = strategy.full_state_dict()

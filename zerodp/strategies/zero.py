@@ -17,6 +17,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -89,7 +90,10 @@ class ZeroStrategy:
         model = self._materialise(model, config)
         self.optimizer = self._optimizer(model, ctx.cfg)
         _import_muon_uncompiled()
-        self.model, _, _, _ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=config)
+        # DeepSpeed takes cuda:LOCAL_RANK unless told (engine._set_distributed_vars reads args.device_rank):
+        # where a scheduler shows each task one GPU, that device is cuda:0 whatever the local rank.
+        args = SimpleNamespace(device_rank=ctx.device.index) if ctx.device.type == "cuda" else None
+        self.model, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=self.optimizer, config=config)
         self.module = self.model.module
         self._initialise(model, ctx.cfg.train.seed)
         # Hooks on the module's parameters run before the engine's own (on autograd's gradient

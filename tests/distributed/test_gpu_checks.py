@@ -55,7 +55,8 @@ def test_bf16_bands_are_read_from_the_strategies_doc():
     # the 'tested <' bounds of the precision table's row, per column (ddp / single, zero1/2/3, fsdp)
     assert bands == {"ddp": 0.001, "single": 0.001, "zero1": 0.01, "zero2": 0.01, "zero3": 0.01, "fsdp": 0.03}
     assert band_between("zero2", "ddp", bands) == 0.011
-    table = "| | a / b | z1/2 |\n|---|---|---|\n| bf16 band vs fp32 reference (8 steps) | < 0.5 | < 0.1 (tested < 0.2) |"
+    table = ("| | a / b | z1/2 |\n|---|---|---|\n"
+             "| bf16 band vs fp32 reference (8 steps) | < 0.5 | < 0.1 (tested < 0.2) |")
     assert bf16_bands(table) == {"a": 0.5, "b": 0.5, "z1": 0.2, "z2": 0.2}
 
 

@@ -44,3 +44,86 @@ def test_memory_figures_pass_only_within_their_limits():
     assert ok.line() == "PASS memory fsdp bf16: after setup 1.00 GiB <= 2.00 GiB; sample 2.00 GiB <= 2.00 GiB"
     over = within("memory zero3 bf16", [("after setup", 1 * GIB, 2 * GIB), ("training", 3 * GIB, 2.5 * GIB)])
     assert not over.ok and over.detail.endswith("training 3.00 GiB > 2.50 GiB")
+
+
+# ---- the new verdicts, the check list, and one group end to end on 2 CPU processes --------------------
+
+def test_bf16_bands_are_read_from_the_strategies_doc():
+    from benchmarks.gpu.verdicts import band_between, bf16_bands
+
+    bands = bf16_bands((ROOT / "docs" / "strategies.md").read_text())
+    # the 'tested <' bounds of the precision table's row, per column (ddp / single, zero1/2/3, fsdp)
+    assert bands == {"ddp": 0.001, "single": 0.001, "zero1": 0.01, "zero2": 0.01, "zero3": 0.01, "fsdp": 0.03}
+    assert band_between("zero2", "ddp", bands) == 0.011
+    table = ("| | a / b | z1/2 |\n|---|---|---|\n"
+             "| bf16 band vs fp32 reference (8 steps) | < 0.5 | < 0.1 (tested < 0.2) |")
+    assert bf16_bands(table) == {"a": 0.5, "b": 0.5, "z1": 0.2, "z2": 0.2}
+
+
+def test_host_syncs_allow_one_per_sync_point_and_none_between():
+    from benchmarks.gpu.verdicts import host_syncs
+
+    ok = host_syncs("s", {10: 1, 15: 1, 20: 1, 3: 7, 21: 9}, 5, 6, 20)  # steps 3 and 21 are outside 6-20
+    assert ok.line() == "PASS s: 3 over steps 6-20 (0.20 per step, limit 1/5 = 0.20)"
+    assert host_syncs("s", {}, 5, 6, 20).ok
+    between = host_syncs("s", {7: 2, 10: 1}, 5, 6, 20, {7: "zero.py:12"})
+    assert not between.ok and between.detail.endswith("step 7, not a sync point, synced 2 times at zero.py:12")
+    twice = host_syncs("s", {10: 2, 15: 1, 20: 1}, 5, 6, 20)
+    assert not twice.ok and twice.detail.endswith("more than one per sync point"), twice.detail
+
+
+def test_evaluation_needs_its_steps_finite_losses_and_unchanged_training():
+    from benchmarks.gpu.verdicts import evaluation
+
+    records = [{"step": s, **({"val_loss": 2.0 + s} if s in (4, 8) else {})} for s in range(1, 9)]
+    assert evaluation("e", records, 4, 8, [1.0, 2.0], [1.0, 2.0]).ok
+    assert "expected [4, 8]" in evaluation("e", records[:5], 4, 8, [1.0], [1.0]).detail
+    nan = [dict(r, val_loss=float("nan")) if "val_loss" in r else r for r in records]
+    assert not evaluation("e", nan, 4, 8, [1.0], [1.0]).ok
+    changed = evaluation("e", records, 4, 8, [1.0, 2.5], [1.0, 2.0])
+    assert not changed.ok and changed.detail.startswith("training changed by evaluation")
+
+
+def test_hsdp_groups_and_throughput_lines():
+    from benchmarks.gpu.verdicts import hsdp_group, throughput
+
+    assert [hsdp_group(w) for w in (1, 2, 3, 4, 6, 8)] == [1, 1, 1, 2, 3, 4]
+    got = {"tokens_per_s_per_device": 12345.6, "mfu": 0.412, "step_s": 0.6634, "peak": "20.1 GiB"}
+    assert throughput("t", got, True, "p").line() == ("PASS t: 12,346 tokens/s per GPU, MFU 41.2%, step 0.663 s, "
+                                                      "peak 20.1 GiB (planned: p)")
+    assert not throughput("t", {"error": "OOM"}, True, "p").ok
+    skipped = throughput("t", {}, False, "p")
+    assert skipped.ok and skipped.detail.startswith("skipped")
+
+
+def test_the_check_list_prints_without_a_gpu_and_fits_the_budget():
+    from benchmarks.gpu.checklist import CHECKS, select
+
+    r = subprocess.run([sys.executable, "benchmarks/gpu_checks.py", "--list"], cwd=ROOT, env=base_env(1),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    names = [c.name for c in CHECKS]
+    assert [line.split()[0] for line in lines[:-1]] == names == [
+        "resume", "features", "offload", "compile", "syncs", "throughput", "equivalence", "precision", "hsdp"]
+    assert lines[0].split()[1:4] == ["1+", "GPU", "~150"]
+    one = sum(c.seconds for c in CHECKS if c.gpus == 1)
+    assert one < 600 and lines[-1].startswith(f"total on one H200: ~{one} s")
+    assert [c.name for c in select(None, 1, False)] == names[:6]
+    assert [c.name for c in select("hsdp,syncs", 1, True)] == ["syncs", "hsdp"]  # the CPU mode counts as 2
+    assert [c.name for c in select("resume,compile", 8, True)] == []  # they need CUDA itself
+    bad = subprocess.run([sys.executable, "benchmarks/gpu_checks.py", "--only", "nope"], cwd=ROOT, env=base_env(1),
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("gpu_checks: no check named nope;"), bad.stderr
+
+
+def test_hsdp_and_fsdp_offload_run_end_to_end_on_2_cpu_processes():
+    """The CPU mode: the groups' code (launch, worker, verdicts) on 2 gloo processes with tiny shapes."""
+    r = subprocess.run([sys.executable, "benchmarks/gpu_checks.py", "--device", "cpu", "--tiny", "--only",
+                        "offload,hsdp"], cwd=ROOT, env=base_env(1), capture_output=True, text=True, timeout=900)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert lines[0] == "gpu_checks: 2 CPU processes (tiny shapes): offload, hsdp"
+    assert lines[1].startswith("PASS offload fsdp (optimizer and params, world 2) vs single: 8 losses max |diff|")
+    assert lines[2].startswith("PASS hsdp fsdp (world 2, 2 replicas of 1): 8 losses max |diff|")
+    assert lines[3].startswith("gpu_checks: 2 passed, 0 failed in ")

@@ -135,6 +135,13 @@ class _RendezvousFlake(RuntimeError):
     pass
 
 
+def _environ_of(world_size: int) -> dict:
+    """What a world's ranks would be started with now, less the port (each world has its own)."""
+    env = base_env(world_size, port=1)
+    env.pop("MASTER_PORT")
+    return env
+
+
 class World:
     """`world_size` ranks that run calls one after another in one process group (`--serve`).
 
@@ -146,8 +153,10 @@ class World:
 
     @classmethod
     def get(cls, world_size: int) -> World:
+        """The world of this size, started anew if the environment a test set differs from its own."""
         world = cls._alive.get(world_size)
-        if world is None or world.calls >= cls.CALLS or any(p.poll() is not None for p in world.procs):
+        if (world is None or world.calls >= cls.CALLS or world.environ != _environ_of(world_size)
+                or any(p.poll() is not None for p in world.procs)):
             if world is not None:
                 world.close()
             world = cls._alive[world_size] = World(world_size)
@@ -155,6 +164,7 @@ class World:
 
     def __init__(self, world_size: int):
         self.world_size, self.calls = world_size, 0
+        self.environ = _environ_of(world_size)
         self.dir = Path(tempfile.mkdtemp(prefix="zerodp-test-world-"))
         env = base_env(world_size)
         self.logs = [open(self.dir / f"rank{r}.log", "wb") for r in range(world_size)]

@@ -39,7 +39,7 @@ def test_config_follows_zerodp_settings(tiny):
     assert ds["gradient_accumulation_steps"] == 2
     assert ds["train_batch_size"] == 12 == cfg.train.global_batch_size
     assert ds["gradient_clipping"] == 0.5
-    assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False} and ds["fp16"] == {"enabled": False}
     z = ds["zero_optimization"]
     assert z["stage"] == 2 and z["overlap_comm"] is False and z["contiguous_gradients"] is True
     assert z["reduce_bucket_size"] == z["allgather_bucket_size"] == 4 * 2**20 // 2  # elements of 2 bytes
@@ -129,7 +129,7 @@ def test_fp16_on_cpu_is_refused(tiny):
 
 RESUME_BASE = TINY + ["train.global_batch_size=8", "optim.decay_steps=10", "checkpoint.every=3"]
 BF16_RUN = TINY + ["train.global_batch_size=8", "train.max_steps=8"]
-BF16_STATE = TINY + ["train.precision=bf16",
+BF16_STATE = TINY + ["train.precision=bf16", "strategy.grad_reduce_dtype=bf16",  # DeepSpeedZeroOptimizer's states
                      "strategy.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"]
 
 

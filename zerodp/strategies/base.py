@@ -85,8 +85,9 @@ class Strategy(Protocol):
         """Set lr, clip to optim.grad_clip, take the optimizer step, zero the gradients.
 
         Returns the global gradient L2 norm before clipping (identical on every rank): a tensor on the
-        device where the strategy computes it there, so the step never waits for the device; a float
-        where the engine already brought it to the host (DeepSpeed)."""
+        device, so the step never waits for the device (DeepSpeed's ZeRO and BF16 optimizers keep theirs
+        as a tensor too); a float only where the engine holds a Python number (DeepSpeed's inf after a
+        skipped step, nan where it computed none)."""
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, counted from live tensors: keys 'params', 'grads', 'optim'."""

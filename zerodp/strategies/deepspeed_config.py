@@ -111,7 +111,9 @@ def deepspeed_config(cfg: Config, stage: int, grad_accum_steps: int, world_size:
         if not found:
             continue
         key = ".".join(path)
-        _, ours = _lookup(generated, path)
+        generates, ours = _lookup(generated, path)
+        if not generates and path[0] in ("data_types", "communication_data_type"):
+            continue  # zerodp chooses the gradient dtypes only in bf16; fp32 and fp16 keep DeepSpeed's keys
         if path[0] in ("optimizer", "scheduler"):
             raise UserError(f"strategy.deepspeed.{key} is not supported: zerodp owns the {key}; "
                             f"remove the key and set {instead}")

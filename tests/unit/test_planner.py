@@ -73,6 +73,11 @@ def test_model_states_bytes_is_the_zero_figure_and_extras_are_separate():
     bf16 = estimate(preset("llama2-7b"), Layout("zero3", Cluster(gpus_per_node=8),
                                                  Workload(1, 4096, grad_reduce_dtype="bf16")))
     assert abs(bf16.model_states_bytes - 16 * P / 8) < 8
+    # strategy.grad_reduce_dtype is DeepSpeed's: fsdp's gradient shards are fp32 either way, 4 + 4 + 8 bytes over N
+    for dtype in ("fp32", "bf16"):
+        fsdp = estimate(preset("llama2-7b"), Layout("fsdp", Cluster(gpus_per_node=8),
+                                                    Workload(1, 4096, grad_reduce_dtype=dtype)))
+        assert abs(fsdp.model_states_bytes - 16 * P / 8) < 8 and abs(fsdp.grads_bytes - 4 * P / 8) < 8
     assert e.gathered_bytes > 0 and e.bucket_bytes > 0
     assert e.total_bytes == (e.model_states_bytes + e.gathered_bytes + e.bucket_bytes
                              + e.activations_bytes + e.overhead_bytes)

@@ -310,7 +310,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     if layout.offload_params and "params" in s.shards and not s.offload_together:
         offloaded += params_b if w.precision != "fp32" else 0  # in fp32 the master copy is the param
         params_b = 0
-    if s.zero_stage and w.precision == "bf16" and w.grad_reduce_dtype == "fp32":  # fp32 accumulation:
+    if s.layout == "deepspeed" and w.precision == "bf16" and w.grad_reduce_dtype == "fp32":  # fp32 accumulation:
         # zero1 a full fp32 buffer beside the bf16 gradients (BF16_Optimizer; with offload `grad_accum`),
         # zero2/3 their gradient partition in fp32 instead of bf16
         grads_b = grads_b + 4 * P if s.zero_stage == 1 else 2 * grads_b

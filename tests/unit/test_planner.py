@@ -67,7 +67,17 @@ def test_model_states_bytes_is_the_zero_figure_and_extras_are_separate():
     e = estimate(preset("llama2-7b"), Layout("zero3", Cluster(gpus_per_node=8), Workload(1, 4096)))
     P = 6_738_415_616
     assert e.model_states_bytes == e.params_bytes + e.grads_bytes + e.optimizer_bytes
-    assert abs(e.model_states_bytes - 16 * P / 8) < 8
+    # ZeRO's 16P/N with bf16 gradients; strategy.grad_reduce_dtype's default fp32 keeps the gradient
+    # partition in fp32: 2 + 4 + 12 bytes per parameter over N
+    assert abs(e.model_states_bytes - 18 * P / 8) < 8
+    bf16 = estimate(preset("llama2-7b"), Layout("zero3", Cluster(gpus_per_node=8),
+                                                 Workload(1, 4096, grad_reduce_dtype="bf16")))
+    assert abs(bf16.model_states_bytes - 16 * P / 8) < 8
+    # strategy.grad_reduce_dtype is DeepSpeed's: fsdp's gradient shards are fp32 either way, 4 + 4 + 8 bytes over N
+    for dtype in ("fp32", "bf16"):
+        fsdp = estimate(preset("llama2-7b"), Layout("fsdp", Cluster(gpus_per_node=8),
+                                                    Workload(1, 4096, grad_reduce_dtype=dtype)))
+        assert abs(fsdp.model_states_bytes - 16 * P / 8) < 8 and abs(fsdp.grads_bytes - 4 * P / 8) < 8
     assert e.gathered_bytes > 0 and e.bucket_bytes > 0
     assert e.total_bytes == (e.model_states_bytes + e.gathered_bytes + e.bucket_bytes
                              + e.activations_bytes + e.overhead_bytes)
@@ -116,9 +126,9 @@ def test_communication_volumes():
     P, B = m.params, 16 * m.largest_block_params  # every parameter, and those in blocks
     assert P == B + 32000 * 2048
 
-    def vol(precision: str, accum: int = 1, defer: bool = False, keep: int = 0) -> dict:
+    def vol(precision: str, accum: int = 1, defer: bool = False, keep: int = 0, reduce: str = "bf16") -> dict:
         w = Workload(precision=precision, grad_accum_steps=accum, fsdp_defer_grad_reduce=defer,
-                     zero3_keep_window=keep)
+                     zero3_keep_window=keep, grad_reduce_dtype=reduce)
         return {s: sum(comm_bytes(m, Layout(s, c, w))) for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")}
 
     ring32, ring16 = 7 / 8 * 4, 7 / 8 * 2  # bytes one rank sends per element of an all-gather, fp32 / bf16
@@ -130,8 +140,8 @@ def test_communication_volumes():
     assert fp32["zero3"] == pytest.approx(3 * ring32 * P) == pytest.approx(1.5 * fp32["ddp"])
     # fsdp: the root unit (embeddings, head) stays gathered from forward to backward
     assert fp32["fsdp"] == pytest.approx(ring32 * (2 * P + B))
-    # bf16: DeepSpeed communicates in bf16; zerodp's DDP (autocast over fp32 params) and FSDP
-    # (reduce_dtype fp32) reduce fp32 gradients, so their gradient traffic stays at 4 bytes
+    # bf16 with strategy.grad_reduce_dtype=bf16: DeepSpeed communicates in bf16; zerodp's DDP (autocast over
+    # fp32 params) and FSDP (reduce_dtype fp32) reduce fp32 gradients, so their gradient traffic stays at 4 bytes
     bf16 = vol("bf16")
     assert bf16["ddp"] == fp32["ddp"] and bf16["zero1"] == pytest.approx(3 * ring16 * P)
     assert bf16["zero3"] == pytest.approx(3 * ring16 * P)
@@ -147,6 +157,16 @@ def test_communication_volumes():
     # fetched in between: the last 10 blocks here (2 x 9 blocks + the embedding < 1e9 elements)
     regathered = 6 * m.largest_block_params + (P - B)
     assert vol("bf16", keep=10**9)["zero3"] == pytest.approx(ring16 * (2 * P + regathered))
+    # bf16 with the default fp32 reduction: ZeRO's gradient collectives at 4 bytes, its parameter
+    # all-gathers at 2 (zero1 as BF16_Optimizer all-reduces its fp32 gradients at the boundary, once)
+    fp32r = vol("bf16", reduce="fp32")
+    assert fp32r["ddp"] == bf16["ddp"] and fp32r["fsdp"] == bf16["fsdp"]
+    assert fp32r["zero1"] == fp32r["zero2"] == pytest.approx(2 * ring32 * P + ring16 * P)
+    assert fp32r["zero3"] == pytest.approx(2 * ring16 * P + ring32 * P)
+    acc32 = vol("bf16", 4, reduce="fp32")
+    assert acc32["zero1"] == fp32r["zero1"] and acc32["zero2"] == pytest.approx(4 * 2 * ring32 * P + ring16 * P)
+    assert acc32["zero3"] == pytest.approx(4 * (2 * ring16 * P + ring32 * P))
+    assert vol("bf16", keep=10**9, reduce="fp32")["zero3"] == pytest.approx(ring16 * (P + regathered) + ring32 * P)
     assert sum(comm_bytes(m, Layout("ddp", Cluster(gpus_per_node=1), Workload()))) == 0
 
 
@@ -293,7 +313,15 @@ def test_7b_on_8x80GB_picks_the_fastest_row_that_fits():
     assert rows["zero3"].step_s == pytest.approx(rows["fsdp"].step_s, rel=0.03)
     assert not plan.estimates[0].fits
     reasons = {r.split(":")[0]: r for r in plan.reasons}
-    assert reasons["zero1"].startswith("zero1: fits (59.1 GB), but slower: predicted ")
+    # zero1 in bf16 with fp32 accumulation (DeepSpeed's BF16_Optimizer): bf16 params and gradients, a full fp32
+    # gradient buffer, 12P/N of master and moments, its all-reduce's fp32 flat copy of 5e8 elements: 66.0 GB
+    # before activations, so only with checkpointing (two 4096 x 4096 inputs per layer in bf16 and one layer's
+    # activations, `activation_bytes`) under the 72 GB usable
+    P, z1 = 6_738_415_616, rows["zero1"]
+    assert z1.model_states_bytes == 2 * P + (2 * P + 4 * P) + 12 * P // 8 and z1.bucket_bytes == 4 * 500_000_000
+    acts = activation_bytes(preset("llama2-7b"), Workload(1, 4096), True)
+    assert z1.activation_checkpointing and z1.total_bytes == z1.model_states_bytes + z1.bucket_bytes + acts + 2**30
+    assert reasons["zero1"].startswith("zero1: fits (69.6 GB), but slower: predicted ")
     assert "within 3%, and fsdp is simpler" in reasons["zero3"]
     assert len([r for r in plan.reasons if r.split(":")[0] in {e.name for e in plan.estimates}]) == 8
 

@@ -39,19 +39,24 @@ def test_zero3_bf16_llama3_70b_on_32_gpus_by_hand():
     e = estimate(preset("llama3-70b"), Layout("zero3", cluster(nodes=4), Workload(1, 4096),
                                               activation_checkpointing=True))
     shard = math.ceil(LLAMA3_70B / 32)  # 2,204,803,328
-    partitions, master, grads, bucket = 2 * shard, 4 * shard, 2 * shard, 25 * 2**20
+    # the gradient partition in fp32 (strategy.grad_reduce_dtype); the fp32 reduce bucket of hidden^2 elements,
+    # at least the largest parameter: the embedding
+    assert LLAMA3_EMBED > 8192**2
+    partitions, master, grads, bucket = 2 * shard, 4 * shard, 4 * shard, 4 * LLAMA3_EMBED
     by_hand = partitions + master + grads + bucket + 4 * LLAMA3_EMBED + CUDA_OVERHEAD
-    assert e.startup_bytes == by_hand == 22_941_075_456  # 17.6 GB of engine buffers + 4.2 GB embedding in fp32 + 1 GiB
+    # 22.0 GB of partitions, master and gradients + 4.2 GB bucket + 4.2 GB embedding in fp32 + 1 GiB
+    assert e.startup_bytes == by_hand == 31_527_160_320
     assert e.startup_host_bytes_per_node == 8 * 4 * LLAMA3_EMBED  # one checkpoint tensor per rank
     assert e.startup_host_fits is None and e.fits  # no --cpu-ram: the host is not checked
 
 
 def test_zero3_fp32_keeps_a_separate_master():
     """Measured (benchmarks/startup_memory.py): in fp32 too DeepSpeed's stage 3 copies the flat
-    partitions into a separate fp32 master, next to an fp32 gradient partition buffer."""
+    partitions into a separate fp32 master, next to an fp32 gradient partition buffer; the fp32 reduce bucket
+    holds the largest parameter."""
     e = estimate(preset("llama3-70b"), Layout("zero3", cluster(nodes=4), Workload(1, 4096, "fp32")))
     shard = math.ceil(LLAMA3_70B / 32)
-    assert e.startup_bytes == 12 * shard + 25 * 2**20 + 4 * LLAMA3_EMBED + CUDA_OVERHEAD
+    assert e.startup_bytes == 12 * shard + 4 * LLAMA3_EMBED + 4 * LLAMA3_EMBED + CUDA_OVERHEAD
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
@@ -116,9 +121,13 @@ def test_cpu_training_checks_the_node_ram():
     z2 = row(plan, "zero2")
     assert z2.startup_bytes == 4 * P + 4 * shard + 4 * m.largest_param + 4 * P  # no CUDA overhead on CPU
     assert z2.startup_host_bytes_per_node == 4 * z2.startup_bytes and z2.startup_host_fits is True
+    assert z2.bucket_bytes == 2 * 4 * (P + P % 2) and P < 500_000_000  # two fp32 buckets, capped at the model
     assert plan.choice == "ddp"
-    # 1.35 GB per rank (1.215 usable): ddp and zero1 do not fit in training; zero2 would (1.169 GB), but
-    # its start-up holds the fp32 module, its staging copy and the master (1.268 GB): auto picks fsdp.
+    # 1.35 GB per rank (1.215 usable), with 25 MiB buckets (DeepSpeed's default 5e8 elements would be two
+    # fp32 buckets of the whole model here, 1 GB, in training only): ddp and zero1 do not fit in training;
+    # zero2 would (1.169 GB), but its start-up holds the fp32 module, its staging copy and the master
+    # (1.268 GB): auto picks fsdp.
+    cfg.strategy.bucket_size_mb = 25
     tight = plan_for_training(cfg, 4, int(1.35 * GB), "cpu")
     e = row(tight, "zero2")
     assert e.total_bytes <= e.usable_bytes < e.startup_bytes and not e.fits

@@ -100,5 +100,11 @@ def test_a_tiny_models_plan_tells_its_step_times_apart(tmp_path, capsys):
     assert slower, out
     for mine, chosen in slower:
         assert mine != chosen, (mine, chosen)
-    assert re.search(r"^ddp: fits .*, but slower: predicted \d\.\d\d µs per step vs \d\.\d\d µs for zero3, 2\.1x "
-                     r"as long: \d\.\d\d µs of communication is not hidden", out, re.M), out
+    # the ratio the text gives is the rows' own: under 2x a percentage, from 2x a multiple (zero3's reduce-scatter
+    # in fp32, strategy.grad_reduce_dtype, keeps ddp under 2x here)
+    rows = {e["name"]: e for e in json.loads(plan_output(capsys, "--hf-config", str(tmp_path), "--gpus", "8",
+                                                         "--json"))["strategies"]}
+    ratio = rows["ddp"]["step_s"] / rows["zero3"]["step_s"]
+    assert 1 < ratio < 2
+    assert re.search(rf"^ddp: fits .*, but slower: predicted \d\.\d\d µs per step vs \d\.\d\d µs for zero3, "
+                     rf"{round(100 * (ratio - 1))}% slower: \d\.\d\d µs of communication is not hidden", out, re.M), out

@@ -196,8 +196,12 @@ class TrainConfig:
 class StrategyConfig:
     name: str = "auto"
     """single | ddp | zero1 | zero2 | zero3 | fsdp | auto."""
-    bucket_size_mb: int = 25
-    """Gradient bucket size for DDP and the DeepSpeed reduce/allgather buckets, in MB."""
+    bucket_size_mb: Optional[int] = None
+    """Gradient bucket size for DDP and the DeepSpeed reduce/allgather buckets, in MiB; null: each engine's
+    recommended size (DDP 25 MiB; zero1/2 5e8 elements, at most the model; zero3 hidden^2, docs/strategies.md)."""
+    grad_reduce_dtype: str = "fp32"
+    """bf16 runs of zero1-3: fp32 accumulates and reduces the gradients in fp32, as ddp and fsdp always do; bf16
+    halves that traffic and buffer at some accuracy (DeepSpeed's default). docs/strategies.md, "Precision"."""
     overlap_comm: bool = True
     """DeepSpeed: overlap gradient reduction with the backward pass."""
     contiguous_gradients: bool = True
@@ -344,7 +348,9 @@ class Config:
         if not t.out_dir:
             raise ConfigError("train.out_dir is empty; set it to the run directory, e.g. runs/my_run")
         _one_of("strategy.name", s.name, STRATEGIES)
-        _positive("strategy.bucket_size_mb", s.bucket_size_mb)
+        if s.bucket_size_mb is not None:
+            _positive("strategy.bucket_size_mb", s.bucket_size_mb)
+        _one_of("strategy.grad_reduce_dtype", s.grad_reduce_dtype, ("fp32", "bf16"))
         _positive("strategy.timeout_s", s.timeout_s)
         _non_negative("strategy.shard_group_size", s.shard_group_size)
         _non_negative("strategy.hpz_partition_size", s.hpz_partition_size,

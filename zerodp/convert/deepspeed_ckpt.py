@@ -122,6 +122,9 @@ class DeepSpeedSource(CheckpointSource):
         self._fds: dict[str, int] = {}  # rank files opened for positioned reads (get)
         osd0 = self.ranks.osd(0)
         stage = int(osd0.get("zero_stage", -1))
+        if stage == -1:  # BF16_Optimizer (zero1, bf16 with fp32 accumulation) records no zero_stage: its config does
+            cfg = safe_torch_load(self.optim_files[0], mmap=True).get("ds_config") or {}
+            stage = int((cfg.get("zero_optimization") or {}).get("stage", -1))
         pc = osd0.get("partition_count")
         world = max(pc) if isinstance(pc, list) else int(pc)
         if world != len(self.optim_files):

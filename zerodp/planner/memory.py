@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from zerodp.planner.buckets import bucket_bytes, grad_bytes
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.models import ModelSpec
 from zerodp.planner.traffic import collective_seconds, collectives, inter_node_sent
@@ -40,8 +41,9 @@ class Workload:
     seq_len: int = 1024
     precision: str = "bf16"
     grad_accum_steps: int = 1
-    bucket_mb: int = 25
-    """strategy.bucket_size_mb: DDP buckets and DeepSpeed reduce/all-gather buckets."""
+    bucket_mb: Optional[int] = None
+    """strategy.bucket_size_mb: DDP buckets and DeepSpeed reduce/all-gather buckets; None: each engine's
+    recommended size (zerodp.planner.buckets)."""
     fsdp_defer_grad_reduce: bool = False
     """strategy.fsdp_defer_grad_reduce: FSDP keeps unsharded fp32 gradients while accumulating."""
     fsdp_reshard_after_forward: bool = True
@@ -54,6 +56,8 @@ class Workload:
     """ZeRO-3 keeps a parameter gathered after its forward when at most this many parameter elements are
     fetched before backward uses it again: the larger of DeepSpeed's stage3_max_reuse_distance and
     stage3_prefetch_bucket_size (a parameter the prefetcher finds still gathered is not released)."""
+    grad_reduce_dtype: str = "fp32"
+    """strategy.grad_reduce_dtype: what zero1-3 accumulate and reduce bf16 gradients in."""
 
 
 @dataclass(frozen=True)
@@ -264,8 +268,8 @@ def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
     # (in the compute dtype) and a reduce bucket, all before the first step. Measured on CPU ranks:
     # benchmarks/startup_memory.py. With offload the partitions / master and gradients live on the host.
     part = 0 if op else c * shard
-    dev_master, dev_grads = (0, 0) if oo else (master, c * shard)
-    bucket = w.bucket_mb * 2**20
+    dev_master, dev_grads = (0, 0) if oo else (master, grad_bytes(w.precision, w.grad_reduce_dtype) * shard)
+    bucket = bucket_bytes(3, model.hidden, P, w.precision, w.grad_reduce_dtype, oo, w.bucket_mb, model.largest_param)
     created = 4 * max(model.largest_block_params, model.largest_param)
     host = (c * shard if op else 0) + (master + 4 * shard if oo else 0)
     return part + dev_master + dev_grads + bucket + created, load + host
@@ -306,6 +310,10 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     if layout.offload_params and "params" in s.shards and not s.offload_together:
         offloaded += params_b if w.precision != "fp32" else 0  # in fp32 the master copy is the param
         params_b = 0
+    if s.layout == "deepspeed" and w.precision == "bf16" and w.grad_reduce_dtype == "fp32":  # fp32 accumulation:
+        # zero1 a full fp32 buffer beside the bf16 gradients (BF16_Optimizer; with offload `grad_accum`),
+        # zero2/3 their gradient partition in fp32 instead of bf16
+        grads_b = grads_b + 4 * P if s.zero_stage == 1 else 2 * grads_b
     states = params_b + grads_b + optim_b
     # FSDP2 without gradient sync keeps every unit's unsharded fp32 gradient until the last micro batch.
     deferred = s.defer_grad_reduce and w.fsdp_defer_grad_reduce and w.grad_accum_steps > 1
@@ -314,7 +322,8 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     sharded = s.gathers_in_forward
     gathered = model.largest_unit_params * (2 * cb + cb) if sharded and n > 1 else 0  # 2 units + grads
     # zerodp's DDP uses gradient_as_bucket_view: its buckets are the gradients, counted above.
-    buckets = 2 * w.bucket_mb * 2**20 if s.bucket_copies and n > 1 else 0
+    buckets = bucket_bytes(s.zero_stage, model.hidden, P, w.precision, w.grad_reduce_dtype, layout.offload_optimizer,
+                           w.bucket_mb, model.largest_param) if s.bucket_copies and n > 1 else 0
     acts = activation_bytes(model, w, ac)
     overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
     total = states + master_b + secondary + unsharded + gathered + buckets + acts + overhead

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from zerodp.planner.buckets import grad_bytes
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.models import ModelSpec
 from zerodp.planner.units import COMPUTE_BYTES
@@ -42,6 +43,7 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
         return []
     ring = lambda size: (size - 1) / size  # noqa: E731
     cb, P, acc, s = COMPUTE_BYTES[w.precision], model.params, w.grad_accum_steps, layout.spec
+    gb = grad_bytes(w.precision, w.grad_reduce_dtype)  # ZeRO's gradient reduction (strategy.grad_reduce_dtype)
     if s.traffic == "all_reduce":  # once per step (no_sync while accumulating) during backward; zerodp's DDP
         # keeps fp32 gradients (autocast over fp32 parameters)
         return [Collective("all-reduce fp32 gradients", "all", 2 * ring(n) * 4 * P, True)]
@@ -50,7 +52,9 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
         # micro batch (zero2, whose gradients are partitioned); after the step it all-gathers the updated 16-bit
         # flat groups.
         reduces = acc if "grads" in s.shards else 1
-        return [Collective("all-reduce gradients", "all", 2 * ring(n) * cb * P * reduces, True),
+        # (bf16 with fp32 accumulation: zero1 is DeepSpeed's BF16_Optimizer, which all-reduces its fp32
+        # gradients at the boundary, the same volume)
+        return [Collective("all-reduce gradients", "all", 2 * ring(n) * gb * P * reduces, True),
                 Collective("all-gather updated parameters", "all",
                            ring(n) * cb * _deepspeed_flat_elements(model, n), False)]
     if s.traffic == "gather_per_use":  # ZeRO-3, every micro batch: reduce-scatter everything, all-gather
@@ -75,7 +79,7 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
                                ring(c.nodes) * 0.5 * acc * (persistent + gathered) / g, True)]
         else:
             out.append(Collective("reduce-scatter gradients", "all",
-                                  ring(n) * cb * acc * (persistent + gathered), True))
+                                  ring(n) * gb * acc * (persistent + gathered), True))
         return out + [after_step]
     assert s.traffic == "gather_per_unit", s.traffic
     # FSDP2: every micro batch all-gathers each unit in forward (compute dtype) and, where resharded after

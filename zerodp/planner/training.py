@@ -28,7 +28,8 @@ def workload_from_config(cfg, world_size: int) -> Workload:
     return Workload(micro, cfg.model.block_size, t.precision, accum, s.bucket_size_mb,
                     s.fsdp_defer_grad_reduce, s.reshard_after_forward,
                     int(zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)),
-                    int(max(zero.get("stage3_max_reuse_distance", 1e9), zero.get("stage3_prefetch_bucket_size", 5e7))))
+                    int(max(zero.get("stage3_max_reuse_distance", 1e9), zero.get("stage3_prefetch_bucket_size", 5e7))),
+                    s.grad_reduce_dtype)
 
 
 def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_name: str = "cpu", *,

@@ -86,8 +86,9 @@ class Strategy(Protocol):
 
         Returns the global gradient L2 norm before clipping (identical on every rank): a 0-d tensor on
         ctx.device (wherever the gradients live: the loop stacks it with the loss and local_grad_sq,
-        which are there too), so the step never waits for the device; a float where the engine already
-        brought it to the host (DeepSpeed)."""
+        which are there too), so the step never waits for the device (DeepSpeed's ZeRO and BF16
+        optimizers keep theirs as a tensor too); a float only where the engine holds a Python number
+        (DeepSpeed's inf after a skipped step, nan where it computed none)."""
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now, counted from live tensors: keys 'params', 'grads', 'optim'."""

@@ -191,3 +191,34 @@ def local_grad_norms(ctx, params=()) -> LocalGradNorms | None:
     norms = LocalGradNorms(ctx.device)
     norms.watch(params)
     return norms
+
+
+def zero_attr_kind(attr: str) -> str:
+    """Which state_bytes key a ZeRO optimizer attribute belongs to, by DeepSpeed's naming: ipg
+    (reduce) buckets -> buckets, *grad* (partitions, averaged gradients) -> grads, *fp32* (master
+    partitions) -> optim, bit16/fp16/lp/param -> params."""
+    a = attr.lower()
+    if "ipg" in a or "bucket" in a:
+        return "buckets"
+    if "grad" in a and "norm" not in a:
+        return "grads"
+    if "fp32" in a:
+        return "optim"
+    if any(k in a for k in ("bit16", "fp16", "lp_param", "param")):
+        return "params"
+    return "buffers"
+
+
+def zero_tensors(value, depth: int = 0):
+    """Tensors inside `value` (nested lists, tuples, dicts, and the `buffer` of DeepSpeed's IPGBucket
+    objects, not their params or grads lists), a few levels deep."""
+    if torch.is_tensor(value):
+        yield value
+    elif depth < 4 and hasattr(value, "buffer") and hasattr(value, "elements"):  # IPGBucket, IPGBucketZ3
+        yield from zero_tensors(value.buffer, depth + 1)
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from zero_tensors(v, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for v in value.values():
+            yield from zero_tensors(v, depth + 1)

@@ -9,6 +9,8 @@ import copy
 
 from zerodp.config import Config
 from zerodp.errors import UserError
+from zerodp.planner.buckets import deepspeed_buckets
+from zerodp.planner.models import spec_from_model_config
 from zerodp.strategies.zeropp import hpz_partition_size
 
 # Keys zerodp sets from its own config: (path in the DeepSpeed config, the zerodp setting to change instead).
@@ -26,12 +28,19 @@ OWNED = {
     ("zero_optimization", "zero_hpz_partition_size"): "strategy.hpz_partition_size",
     ("zero_optimization", "zero_quantized_weights"): "strategy.quantized_weights",
     ("zero_optimization", "zero_quantized_gradients"): "strategy.quantized_gradients",
+    ("data_types", "grad_accum_dtype"): "strategy.grad_reduce_dtype",
+    ("communication_data_type",): "strategy.grad_reduce_dtype",
 }
 
 
-def _bucket_elements(bucket_size_mb: int, precision: str) -> int:
-    """DeepSpeed's bucket sizes count elements; zerodp's count MiB (like DDP's bucket_cap_mb)."""
-    return bucket_size_mb * 2**20 // (4 if precision == "fp32" else 2)
+def reduce_dtypes(precision: str, grad_reduce_dtype: str) -> dict:
+    """DeepSpeed's gradient accumulation and communication dtypes for `strategy.grad_reduce_dtype`. Both
+    follow the parameter dtype unless set (engine.py: `get_data_types`, `communication_data_type`): bf16
+    gets them in fp32 by default, as ddp and fsdp reduce. fp16 keeps DeepSpeed's loss-scaled fp16 path
+    and fp32 has nothing to choose."""
+    if precision != "bf16":
+        return {}
+    return {"data_types": {"grad_accum_dtype": grad_reduce_dtype}, "communication_data_type": grad_reduce_dtype}
 
 
 def generated_config(cfg: Config, stage: int, grad_accum_steps: int, world_size: int,
@@ -45,11 +54,10 @@ def generated_config(cfg: Config, stage: int, grad_accum_steps: int, world_size:
         raise UserError(
             f"strategy.offload_params=true needs parameter sharding, which zero{stage} does not do; "
             "use strategy.name=zero3 (or fsdp), or set strategy.offload_params=false")
-    bucket = _bucket_elements(s.bucket_size_mb, t.precision)
+    model = spec_from_model_config(cfg.model)
     zero: dict = {
         "stage": stage,
-        "reduce_bucket_size": bucket,
-        "allgather_bucket_size": bucket,
+        **deepspeed_buckets(stage, model.hidden, model.params, t.precision, s.bucket_size_mb, model.largest_param),
         "overlap_comm": s.overlap_comm,
         "contiguous_gradients": s.contiguous_gradients,
         "zero_hpz_partition_size": hpz,
@@ -71,14 +79,22 @@ def generated_config(cfg: Config, stage: int, grad_accum_steps: int, world_size:
         "gradient_accumulation_steps": grad_accum_steps,
         "train_batch_size": t.micro_batch_size * grad_accum_steps * world_size,
         "gradient_clipping": cfg.optim.grad_clip,
-        "bf16": {"enabled": t.precision == "bf16"},
+        # bf16 has fp32's range and no loss scale: DeepSpeed's overflow check (on by default, ZeRO-1/2) would
+        # only bring a flag to the host every step (stage_1_and_2.py has_overflow: .item()).
+        "bf16": {"enabled": True, "check_grad_overflow": False} if t.precision == "bf16" else {"enabled": False},
         "fp16": fp16,
         "zero_optimization": zero,
         # zerodp hands DeepSpeed torch's AdamW (or DeepSpeedCPUAdam when offloading, see `_optimizer`).
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
+        **reduce_dtypes(t.precision, s.grad_reduce_dtype),
+        # No timers: the throughput timer (on by default, synchronised) waits for the device at every
+        # micro batch (deepspeed/utils/timer.py ThroughputTimer.start/stop); the breakdowns time each phase.
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
+        "memory_breakdown": False,
+        "flops_profiler": {"enabled": False},
     }
 
 
@@ -95,7 +111,9 @@ def deepspeed_config(cfg: Config, stage: int, grad_accum_steps: int, world_size:
         if not found:
             continue
         key = ".".join(path)
-        _, ours = _lookup(generated, path)
+        generates, ours = _lookup(generated, path)
+        if not generates and path[0] in ("data_types", "communication_data_type"):
+            continue  # zerodp chooses the gradient dtypes only in bf16; fp32 and fp16 keep DeepSpeed's keys
         if path[0] in ("optimizer", "scheduler"):
             raise UserError(f"strategy.deepspeed.{key} is not supported: zerodp owns the {key}; "
                             f"remove the key and set {instead}")

@@ -26,7 +26,15 @@ from zerodp.config import Config
 from zerodp.errors import UserError
 from zerodp.optim import adam_step, adamw, adamw_kwargs, param_groups
 from zerodp.strategies.base import RunContext
-from zerodp.strategies.common import FullState, local_grad_norms, optimizer_state_tensors, set_lr, tensor_bytes
+from zerodp.strategies.common import (
+    FullState,
+    local_grad_norms,
+    optimizer_state_tensors,
+    set_lr,
+    tensor_bytes,
+    zero_attr_kind,
+    zero_tensors,
+)
 from zerodp.strategies.deepspeed_config import deepspeed_config  # tests and benchmarks read it here too
 from zerodp.strategies.zeropp import check_quantizer, drop_secondary_partitions, hpz_group, ranks_per_node
 
@@ -107,7 +115,7 @@ class ZeroStrategy:
         module is created: no rank ever holds more than its partitions and one module's parameters."""
         import deepspeed
 
-        from zerodp.models import construct, materialise
+        from zerodp.models import construct
 
         if self.stage == 3:
             deepspeed.init_distributed()  # wraps the process group zerodp made (zero.Init needs it)
@@ -118,14 +126,19 @@ class ZeroStrategy:
                                      zero_param_parallel_group=hpz):
                 return construct(model.cfg)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.ctx.cfg.train.precision)
-        return materialise(model, self.ctx.device, self.ctx.cfg.train.seed, dtype)
+        if dtype is not None:
+            model.to(dtype)  # on the meta device: no memory, no values
+        # Storage only: `_initialise` draws each initial value once, for the working copy and the master.
+        model.to_empty(device=self.ctx.device)
+        model.tie_weights()
+        return model
 
     @torch.no_grad()
     def _initialise(self, model: nn.Module, seed: int) -> None:
         """Write every parameter's initial values (a pure function of seed and name, the same on every
         layout) into this rank's part: the ZeRO-3 partition and its fp32 master, or, for ZeRO-1/2, the
-        fp32 master fragment (the 16-bit working copy was filled by `materialise`, rounded; the master
-        is set from the exact fp32 values, as one process holds them)."""
+        working copy (16-bit, rounded) and the fp32 master fragment (the exact fp32 values, as one process
+        holds them), both from one draw: `_materialise` left the storage unfilled."""
         from deepspeed.utils import safe_set_full_fp32_param
 
         zero_opt, rank = self.model.optimizer, torch.distributed.get_rank()
@@ -135,8 +148,10 @@ class ZeroStrategy:
                 values = model.initial_values(name, seed, start, stop)
                 _copy_range(p.ds_tensor, values)
                 _copy_range(zero_opt._get_fp32_opt_state_partition(p, False)[0], values)
-            else:
-                safe_set_full_fp32_param(p, model.initial_values(name, seed).view(p.shape))
+            else:  # one draw: the working copy (rounded to 16 bits) and the exact fp32 master fragment
+                values = model.initial_values(name, seed).view(p.shape)
+                p.data.copy_(values)
+                safe_set_full_fp32_param(p, values)
         drop_secondary_partitions(zero_opt)
 
     def _optimizer(self, model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -186,13 +201,17 @@ class ZeroStrategy:
                 f"already at its minimum {scaler.min_scale:g} ({self.model.skipped_steps} steps skipped for "
                 f"overflow so far): the fp16 gradients overflow at any scale, so DeepSpeed stops the run; use "
                 f"train.precision=bf16 (or fp32), or lower optim.lr") from None
+        # DeepSpeed's ZeRO optimizers keep the norm as a device tensor: returned as it is, no host sync.
         norm = self.model.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        if norm is None:
+            return float("nan")
+        return norm.detach() if torch.is_tensor(norm) else float(norm)
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of the distinct storages this rank holds, found by walking the module's parameters
         (their data, ZeRO-3 `ds_tensor` partitions, hpZ's secondary ones, and grads), every tensor attribute of
-        DeepSpeed's ZeRO optimizer (named by `_kind`) and the AdamW state. A storage is counted once, under the
+        DeepSpeed's ZeRO optimizer (named by `zero_attr_kind`) and the AdamW state. A storage is counted once,
+        under the
         first of params, optim, buckets, grads, buffers that reaches it: a gradient copied into a
         reduce bucket counts as the bucket, so 'grads' is the gradients themselves and 'buckets' is what
         the planner calls bucket_bytes. Tensors offloaded to CPU memory count too (see
@@ -203,8 +222,8 @@ class ZeroStrategy:
             found["params"] += [p.data, getattr(p, "ds_tensor", None), getattr(p, "ds_secondary_tensor", None)]
             found["grads"].append(p.grad)
         for attr, value in vars(self.model.optimizer).items():
-            for t in _tensors(value):
-                found[_kind(attr)].append(t)
+            for t in zero_tensors(value):
+                found[zero_attr_kind(attr)].append(t)
                 if t.is_leaf and t.grad is not None:  # the fp32 partitions' grads during step()
                     found["grads"].append(t.grad)
         found["optim"] += list(optimizer_state_tensors(self.optimizer))
@@ -257,9 +276,6 @@ class ZeroStrategy:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
         zero_opt = self.model.optimizer
-        if self.stage != 3 and not hasattr(zero_opt, "single_partition_of_fp32_groups"):
-            raise UserError(f"{type(zero_opt).__name__} (chosen by DeepSpeed for strategy.deepspeed.data_types."
-                            f"grad_accum_dtype) cannot load zerodp checkpoints yet; remove that setting to resume")
         if state.with_optimizer:
             self._create_optimizer_state(state)
         rank = torch.distributed.get_rank()
@@ -305,7 +321,7 @@ class ZeroStrategy:
         """AdamW creates its state at the first step; create it now over DeepSpeed's flat fp32
         partitions so moments can be written into it, with the step count of the source."""
         zero_opt = self.model.optimizer
-        flats = zero_opt.fp32_partitioned_groups_flat if self.stage == 3 else zero_opt.single_partition_of_fp32_groups
+        flats = _fp32_flats(zero_opt, self.stage)
         step = max(state.step(n) for n in state.names)
         for flat in flats:
             if flat in self.optimizer.state and self.optimizer.state[flat]:
@@ -316,6 +332,17 @@ class ZeroStrategy:
         if self.stage != 3:  # DeepSpeed links parameter fragments to optimizer state once; relink
             zero_opt._hp_optimizer_states_linked = False
             zero_opt._lazy_init_hp_params_optimizer_state()
+
+
+def _fp32_flats(zero_opt, stage: int) -> list:
+    """The flat fp32 master partitions AdamW steps on: ZeRO-3's, ZeRO-1/2's, or those of BF16_Optimizer,
+    which DeepSpeed runs for zero1 in bf16 with fp32 gradient accumulation (engine.py
+    `_do_optimizer_sanity_check`)."""
+    if stage == 3:
+        return zero_opt.fp32_partitioned_groups_flat
+    if hasattr(zero_opt, "single_partition_of_fp32_groups"):
+        return zero_opt.single_partition_of_fp32_groups
+    return zero_opt.fp32_groups_flat_partition
 
 
 class LossScaleExhausted(UserError):
@@ -366,34 +393,3 @@ def _copy_range(target: torch.Tensor, values: torch.Tensor) -> None:
     """Copy a partition's elements into `target`, zeroing the padding past them."""
     target.zero_()
     target.view(-1)[: values.numel()].copy_(values.to(target.dtype))
-
-
-def _kind(attr: str) -> str:
-    """Which state_bytes key a ZeRO optimizer attribute belongs to, by DeepSpeed's naming: ipg
-    (reduce) buckets -> buckets, *grad* (partitions, averaged gradients) -> grads, *fp32* (master
-    partitions) -> optim, bit16/fp16/lp/param -> params."""
-    a = attr.lower()
-    if "ipg" in a or "bucket" in a:
-        return "buckets"
-    if "grad" in a and "norm" not in a:
-        return "grads"
-    if "fp32" in a:
-        return "optim"
-    if any(k in a for k in ("bit16", "fp16", "lp_param", "param")):
-        return "params"
-    return "buffers"
-
-
-def _tensors(value, depth: int = 0):
-    """Tensors inside `value` (nested lists, tuples, dicts, and the `buffer` of DeepSpeed's IPGBucket
-    objects, not their params or grads lists), a few levels deep."""
-    if torch.is_tensor(value):
-        yield value
-    elif depth < 4 and hasattr(value, "buffer") and hasattr(value, "elements"):  # IPGBucket, IPGBucketZ3
-        yield from _tensors(value.buffer, depth + 1)
-    elif depth < 4 and isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v, depth + 1)

@@ -136,13 +136,17 @@ class FSDPStrategy:
         self.optimizer = adamw(param_groups(self.model, ctx.cfg), ctx.cfg, "cpu" if offloaded else ctx.device.type)
         self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=ctx.cfg.train.precision == "fp16")
         self._unsharded_peak = 0
-        for unit in [*self.model.blocks(), self.model]:
-            # Runs after FSDP's own pre-forward hook (prepended), so the unit's parameters are gathered.
-            unit.register_forward_pre_hook(self._measure_unsharded)
+        units = [*self.model.blocks(), self.model]
+        # Both hooks run after FSDP's own pre-forward hook (prepended), so the unit's parameters are
+        # gathered, and only until the first optimizer step: FSDP gathers the same units in the same order
+        # every step, so the first step's forwards see the peak, and it gathers into the same unsharded
+        # Parameter objects every time (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+        # init_unsharded_param), so the gradient hooks watch() puts on them stay. Scanning every
+        # parameter at each unit's forward of every step cost fsdp's loop a few percent on a CPU.
+        self._first_step_hooks = [unit.register_forward_pre_hook(self._measure_unsharded) for unit in units]
         self.local_norms = local_grad_norms(ctx)
         if self.local_norms is not None:
-            for unit in [*self.model.blocks(), self.model]:
-                unit.register_forward_pre_hook(self._watch_unsharded)
+            self._first_step_hooks += [unit.register_forward_pre_hook(self._watch_unsharded) for unit in units]
 
     @torch.no_grad()
     def _initialise(self, seed: int) -> None:
@@ -199,6 +203,9 @@ class FSDPStrategy:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        for hook in self._first_step_hooks:  # measured and watched: see setup
+            hook.remove()
+        self._first_step_hooks = []
         # With offload the gradient shards live in host memory, and so does their norm, while the loss and
         # the local norms are on the device, where the loop stacks them all. non_blocking: a blocking copy
         # would wait for the device's stream; from pageable memory CUDA stages the value at once.
@@ -210,10 +217,11 @@ class FSDPStrategy:
         'params': the fp32 parameter shards, which are also the master weights in bf16/fp16 (FSDP keeps
         no other copy; the ZeRO paper's 16-bit params exist here only while gathered); 'grads': the fp32
         gradient shards; 'optim': AdamW's exp_avg, exp_avg_sq and step; 'unsharded_peak': the most
-        gathered (compute-dtype) parameter bytes seen at any unit's forward so far, 0 before the first
-        forward; 'unsharded_grads': the full gradients accumulated between micro batches without
-        gradient sync (in reduce_dtype, fp32), freed by the last micro batch's reduce-scatter. With
-        offload all but 'unsharded_peak' and 'unsharded_grads' live in host memory."""
+        gathered (compute-dtype) parameter bytes seen at any unit's forward of the first optimizer step
+        (every step gathers alike), 0 before the first forward; 'unsharded_grads': the full gradients
+        accumulated between micro batches without gradient sync (in reduce_dtype, fp32), freed by the
+        last micro batch's reduce-scatter. With offload all but 'unsharded_peak' and 'unsharded_grads'
+        live in host memory."""
         params = list(self.model.parameters())
         # FSDP2 keeps accumulated gradients on its private FSDPParam objects (no public accessor): in
         # `unsharded_accumulated_grad` when reduce_dtype differs from param_dtype, else on the

@@ -3,6 +3,7 @@ table), the micro batch x checkpointing x strategy search at a fixed global batc
 rows across nodes with their inter-node traffic, train.micro_batch_size=auto, and their errors."""
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -57,7 +58,11 @@ def test_llama3_8b_on_8x80GB_chooses_the_fastest_row_and_says_why():
     assert plan.chosen.tokens_per_s_per_gpu * (1 + TIE) >= fastest
     assert plan.choice_name == "fsdp"  # zero3 ties it; fsdp is the simpler
     rows = {e.name: e for e in plan.estimates}
-    assert rows["zero1"].fits and rows["zero1"].step_s > 1.05 * rows["fsdp"].step_s  # its exposed all-gather
+    # zero1 in bf16 with fp32 accumulation is DeepSpeed's BF16_Optimizer: bf16 and fp32 gradients of the
+    # whole model, 6P, beside 2P of weights and 12P/8 of master and moments: over the 72 GB usable
+    params = preset("llama3-8b").params
+    assert rows["zero1"].grads_bytes == pytest.approx(6 * params, rel=1e-3) and not rows["zero1"].fits
+    assert rows["zero1"].step_s > 1.05 * rows["fsdp"].step_s  # its exposed all-gather
     assert plan.reasons[0].startswith("Choice: fsdp with activation checkpointing off: 45.5 GB of 80.0 GB")
     assert "the fastest predicted step that fits" in plan.reasons[0]
     check_reasons_agree_with_the_table(plan)
@@ -82,13 +87,25 @@ def test_70b_on_4_ethernet_nodes_shows_hybrid_and_zeropp_and_picks_by_time(capsy
         assert rows[name].inter_node_bytes > 0
     fitting = [e for e in plan.estimates if e.fits and not e.offload_optimizer]
     assert plan.chosen.tokens_per_s_per_gpu * (1 + TIE) >= max(e.tokens_per_s_per_gpu for e in fitting)
-    assert plan.choice_name == "zero3+zero++"
+    # fp32 gradient reduction (the default) doubles ZeRO-3's gradient shard, 4P/32, and its reduce bucket:
+    # ZeRO++'s extra secondary copy then leaves it over the 72 GB usable, and fsdp is the fastest that fits
+    assert not rows["zero3+zero++"].fits and plan.choice_name == "fsdp"
+    # the slow link still makes it the fastest predicted step of the fully sharded rows
+    assert rows["zero3+zero++"].step_s < min(rows[n].step_s for n in ("fsdp", "zero3", "fsdp+hybrid"))
     # the slow link decides: ZeRO++ sends 4x less across nodes than ZeRO-3 (DeepSpeed's figure) at one micro batch
-    same = [e for e in plan.search["zero3"] if e.micro_batch == rows["zero3+zero++"].micro_batch
-            and e.activation_checkpointing == rows["zero3+zero++"].activation_checkpointing]
-    ratio = same[0].inter_node_bytes / rows["zero3+zero++"].inter_node_bytes
+    # with zero3's gradients reduced in 16 bits, as DeepSpeed's figure is (fp32 reduction, the default,
+    # sends more across nodes, so the ratio grows)
+    def zeropp_ratio(p):
+        r = {e.name: e for e in p.estimates}
+        same = [e for e in p.search["zero3"] if e.micro_batch == r["zero3+zero++"].micro_batch
+                and e.activation_checkpointing == r["zero3+zero++"].activation_checkpointing]
+        return same[0].inter_node_bytes / r["zero3+zero++"].inter_node_bytes
+
+    bf16 = choose(preset("llama3-70b"), plan.cluster, dataclasses.replace(plan.workload, grad_reduce_dtype="bf16"),
+                  global_batch=512)
     # (4.3 here: the int4 all-to-all across nodes is over 4 nodes, (4-1)/4, the flat ring's over 32 GPUs)
-    assert 3.5 < ratio < 4.5, ratio
+    assert 3.5 < zeropp_ratio(bf16) < 4.5, zeropp_ratio(bf16)
+    assert zeropp_ratio(plan) > zeropp_ratio(bf16)
     # hpZ's secondary partition: 2P/8 bytes more than zero3's states
     assert rows["zero3+zero++"].secondary_bytes == 2 * -(-preset("llama3-70b").params // 8)
     # hybrid fsdp shards over the node's 8 GPUs only: 16P/8
@@ -96,13 +113,12 @@ def test_70b_on_4_ethernet_nodes_shows_hybrid_and_zeropp_and_picks_by_time(capsy
     check_reasons_agree_with_the_table(plan)
     assert run(_ns(*argv, "--json")) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["global_batch"] == 512 and out["choice"] == "zero3+zero++"
+    assert out["global_batch"] == 512 and out["choice"] == "fsdp"
     assert {t["micro_batch"] for t in out["search"]["zero3"]} == {1, 2, 4, 8, 16}
     assert all(t["grad_accum_steps"] * t["micro_batch"] == 16 for t in out["search"]["fsdp"])
     # strategy: auto never runs the approximate row
     auto = choose(preset("llama3-70b"), plan.cluster, plan.workload, global_batch=512, exact_only=True)
     assert auto.choice_name != "zero3+zero++"
-    assert "strategy: auto does not choose it" in reasons_by_row(auto)["zero3+zero++"]
 
 
 def test_no_hybrid_rows_on_one_node():

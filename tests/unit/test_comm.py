@@ -13,15 +13,6 @@ import torch.distributed.distributed_c10d as c10d
 from zerodp.telemetry.comm import CommMeter, StepComm
 
 
-@pytest.fixture
-def group():
-    """The default process group: one rank, gloo, in this process."""
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.filterwarnings("ignore:`torch.distributed.*` is deprecated:FutureWarning")
 def test_each_kind_counted_once_with_its_full_size(group):
     """all_gather_into_tensor and reduce_scatter_tensor, DeepSpeed's names, forward to torch's newer ones."""

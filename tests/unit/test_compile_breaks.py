@@ -7,22 +7,12 @@ numbers of compiled runs: tests/distributed/test_compile.py."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from zerodp.config import load_config
 from zerodp.models import build_model, compile_blocks
 from zerodp.strategies import RunContext, make_strategy
-
-
-@pytest.fixture
-def group():
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _fsdp(tiny, *extra):

@@ -86,6 +86,12 @@ def test_token_files_equal_the_tokenizers_encoding(tmp_path, tok_path, tokenizer
     assert meta["eot_id"] == eot and meta["eot_token"] == EOT
     assert meta["splits"]["train"]["tokens"] == len(train) and meta["splits"]["val"]["tokens"] == len(val)
     assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == 36
+    for split, tokens in (("train", train), ("val", val)):  # the document index: each document's first token
+        assert meta["splits"][split]["index"] == {"file": f"{split}.idx", "dtype": "int64",
+                                                  "of": "each document's first token"}
+        index, ends = np.fromfile(out / f"{split}.idx", dtype=np.int64), np.flatnonzero(tokens == eot)
+        assert len(index) == meta["splits"][split]["documents"] == len(ends) and ends[-1] == len(tokens) - 1
+        assert index[0] == 0 and np.array_equal(index[1:], ends[:-1] + 1)
     import hashlib
 
     assert meta["tokenizer"]["sha256"] == hashlib.sha256(tok_path.read_bytes()).hexdigest()
@@ -103,7 +109,7 @@ def test_output_does_not_depend_on_batching(tmp_path, tok_path, tokenizer):
         out = tmp_path / f"out{size}"
         assert run(jsonl, "--tokenizer", tok_path, "--out", out, "--val-fraction", 0.3, "--batch-size", size) == 0
         outs.append(out)
-    for name in ("train.bin", "val.bin"):
+    for name in ("train.bin", "val.bin", "train.idx", "val.idx"):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes()
     train, val = expected(tokenizer, texts, 0, 0.3, tokenizer.token_to_id(EOT), jsonl.stat().st_size)
     np.testing.assert_array_equal(np.fromfile(outs[0] / "val.bin", dtype=np.uint16), val)

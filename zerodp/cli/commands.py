@@ -122,7 +122,9 @@ def _dry_run(cfg, fresh: bool, given: dict) -> int:
                             ("resolved, not set by you (null keys from model.arch or model.hf_config, auto by "
                              "the planner)", filled)):
             print(f"# {what}: " + (", ".join(f"{k}={v!r}" for k, v in pairs) or "nothing"))
-        print(f"# data: {len(ready.tokens):,} tokens from {cfg.data.source}")
+        where = ", ".join(f"{s.where} (weight {s.weight:g})" for s in ready.train_data.streams) \
+            if cfg.data.sources else cfg.data.source
+        print(f"# data: {len(ready.tokens):,} tokens from {where}")
         print(f"# {ready.start.why}")
     return 0
 

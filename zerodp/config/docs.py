@@ -58,7 +58,7 @@ def _type_name(typ: Any) -> str:
     if typing.get_origin(typ) is typing.Union:
         (inner,) = [a for a in typing.get_args(typ) if a is not type(None)]
         return f"{_type_name(inner)} or null"
-    return {dict: "mapping"}.get(typ, getattr(typ, "__name__", str(typ)))
+    return {dict: "mapping", list: "list"}.get(typ, getattr(typ, "__name__", str(typ)))
 
 
 def format_field_docs(section: str | None = None) -> str:

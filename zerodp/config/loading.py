@@ -65,6 +65,12 @@ def _coerce(where: str, key: str, value: Any, typ: Any) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key} in {where} must be a string, got {value!r}")
+    if typ is list:
+        if value is None:
+            return []
+        if isinstance(value, list):
+            return _numbers(value)
+        raise ConfigError(f"{key} in {where} must be a list, got {value!r}")
     if typ is dict:
         if value is None:  # an empty YAML section (`deepspeed:`)
             return {}
@@ -79,6 +85,8 @@ def _numbers(value: Any) -> Any:
     free-form mapping. Only plain decimal forms: 'inf', 'nan' or '1_000' stay strings."""
     if isinstance(value, dict):
         return {k: _numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers(v) for v in value]
     if not isinstance(value, str) or not _NUMBER.fullmatch(value):
         return value
     number = float(value)
@@ -192,16 +200,17 @@ def take_prepared_vocab(cfg: Config) -> Config:
     config leaves the key unset), said on stderr by rank 0 (every rank loads the config). The resolved
     config, config.yaml and a checkpoint's meta.json then record the number, so a resume of the same
     command finds the same model. Returns cfg, changed in place."""
-    if cfg.data.source == "builtin":
-        return cfg
-    from zerodp.config.sources import prepared_meta
+    from zerodp.config.sources import prepared_meta, primary_source
 
-    vocab = (prepared_meta(cfg.data.source) or {}).get("vocab_size")
+    source = primary_source(cfg.data)
+    if source == "builtin":
+        return cfg
+    vocab = (prepared_meta(source) or {}).get("vocab_size")
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
         return cfg  # not a prepare folder, or a damaged meta.json that loading the data reports
     cfg.model.vocab_size = vocab
     if os.environ.get("RANK", "0") == "0":
-        print(f"zerodp: model.vocab_size={vocab} taken from {Path(cfg.data.source) / 'meta.json'} (the tokenizer's "
+        print(f"zerodp: model.vocab_size={vocab} taken from {Path(source) / 'meta.json'} (the tokenizer's "
               f"vocabulary; the config leaves model.vocab_size unset)", file=sys.stderr, flush=True)
     return cfg
 

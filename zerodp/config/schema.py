@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from zerodp.config.checks import _divisor_near, _non_negative, _one_of, _positive, batch_split, zeropp_refusal
+from zerodp.config.sources import check_sources
 from zerodp.errors import ConfigError
 from zerodp.strategies.catalog import CATALOG
 
@@ -78,6 +79,11 @@ class DataConfig:
     """'builtin' (the Python standard library's source, byte-level), a text file, a folder of text
     files, a pre-tokenized token file (.bin, nanoGPT layout), or a `zerodp prepare` folder (train.bin,
     val.bin and meta.json: dtype, vocabulary and tokenizer come from meta.json; docs/data.md)."""
+    sources: list = field(default_factory=list)
+    """A mixture in place of data.source: `[{path: DIR, weight: w}, ...]` (optional `name`, default the
+    folder's name: val_loss/<name>), zerodp prepare folders of one tokenizer, each global batch drawn
+    from them in the weights' proportions (docs/data.md). An override reads YAML:
+    'data.sources=[{path: data/a, weight: 0.7}, {path: data/b, weight: 0.3}]'."""
     token_dtype: str = "uint16"
     """Element type of a pre-tokenized .bin file: uint16 or uint32 (a prepare folder says its own)."""
     val_fraction: float = 0.05
@@ -297,6 +303,7 @@ class Config:
         if not 0.0 < d.val_fraction < 0.5:
             raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
         _positive("data.max_bytes", d.max_bytes)
+        check_sources(d)
         _non_negative("data.prefetch", d.prefetch)
         _positive("optim.lr", o.lr, hint="a learning rate such as 3e-4")
         _non_negative("optim.min_lr", o.min_lr)

@@ -1,4 +1,4 @@
-"""`zerodp prepare`: documents (text, JSONL, Parquet) -> DIR/train.bin, DIR/val.bin and DIR/meta.json.
+"""`zerodp prepare`: documents (text, JSONL, Parquet) -> DIR/train.bin, DIR/val.bin, their .idx, DIR/meta.json.
 
     zerodp prepare corpus/ more.jsonl.gz shard-0.parquet --tokenizer path/to/hf_model --out data/mine
 
@@ -9,6 +9,9 @@ What it promises:
   post-processor's special tokens included unless `special_tokens=False`) followed by the separator
   (the tokenizer's end-of-text token unless `eot` names another, or none), in input order: inputs as
   given, a folder's files sorted by path, a JSONL file's lines, a Parquet file's rows.
+- Beside each, train.idx and val.idx: the document index, the int64 offset of each document's first
+  token in its .bin (raw, little-endian; meta.json's splits.<split>.index says file and dtype): what
+  document masking and `zerodp data batch` read (zerodp.data.samples).
 - Document i (counted over all inputs) goes to val iff `val_mask(seed, i)`: a hash of (seed, i) below
   val_fraction. A document longer than the val split needs (more UTF-8 bytes than val_fraction of the
   input files' bytes: one text file, say) is split by tokens instead: its last val_fraction of tokens go
@@ -45,7 +48,7 @@ from zerodp.data.sources import Source, _documents, find_sources
 from zerodp.data.tokenizer import Tok, load_tokenizer
 from zerodp.errors import UserError
 
-FORMAT_VERSION, SPLITS = 1, ("train", "val")
+FORMAT_VERSION, SPLITS = 2, ("train", "val")
 # Text per encode_batch call: ~100 web documents, enough to keep the cores busy, while the library's
 # Encoding objects for it (~200 bytes a token, ~4 bytes of text a token: ~50x the text) stay small.
 BATCH_BYTES = 1 << 18
@@ -233,7 +236,9 @@ def prepare(opts: PrepareOptions) -> dict:
             "vocab_size": tok.vocab_size, "dtype": tok.dtype.name,
             "eot_id": tok.eot_id, "eot_token": tok.eot_token, "special_tokens": opts.special_tokens,
             "field": opts.field, "val_fraction": opts.val_fraction, "seed": opts.seed,
-            "splits": {s: {"file": f"{s}.bin", **counts[s]} for s in SPLITS},
+            "splits": {s: {"file": f"{s}.bin", **counts[s],
+                           "index": {"file": f"{s}.idx", "dtype": "int64", "of": "each document's first token"}}
+                       for s in SPLITS},
             "documents": documents, "split_by_tokens": split,
             "tokens": sum(counts[s]["tokens"] for s in SPLITS),
             "sources": [{"path": str(s.path.resolve()), "kind": s.kind, "bytes": s.size, "documents": s.documents}
@@ -272,7 +277,9 @@ def _encode_all(tok: Tok, sources: list[Source], opts: PrepareOptions, out: Path
     encoded = _ahead(encode_stage(_ahead(batches, QUEUE_DEPTH)), 1)
     bar = tqdm(total=sum(s.size for s in sources), unit="B", unit_scale=True, desc="prepare", file=sys.stderr,
                disable=None if opts.progress else True, leave=False, dynamic_ncols=True)
-    with open(out / "train.bin", "wb") as train, open(out / "val.bin", "wb") as val, bar:
+    with open(out / "train.bin", "wb") as train, open(out / "val.bin", "wb") as val, \
+            open(out / "train.idx", "wb") as train_idx, open(out / "val.idx", "wb") as val_idx, bar:
+        indexes = {"train": train_idx, "val": val_idx}
         try:
             for batch, encodings in encoded:
                 ids = [e.ids for e in encodings]
@@ -284,6 +291,9 @@ def _encode_all(tok: Tok, sources: list[Source], opts: PrepareOptions, out: Path
                 in_val, lengths = _write(tok, ids, in_val, train, val)
                 first, split = first + n, split + cut
                 for name, mask in (("train", ~in_val), ("val", in_val)):
+                    if mask.any():  # the document index: each document's first token in the split's file
+                        np.cumsum(np.concatenate([[counts[name]["tokens"]], lengths[mask][:-1]]),
+                                  dtype=np.int64).tofile(indexes[name])
                     counts[name]["documents"] += int(mask.sum())
                     counts[name]["tokens"] += int(lengths[mask].sum())
                 bar.update(batch.read)

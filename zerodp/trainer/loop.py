@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from zerodp.checkpoint.checkpointer import Checkpointer
 from zerodp.config import Config, dump_yaml
+from zerodp.config.sources import primary_source
 from zerodp.data.batches import TokenBatches, prefetch, prepared_meta
 from zerodp.distributed import determinism
 from zerodp.distributed.process_group import DistEnv, all_gather_floats, init_distributed
@@ -45,7 +46,7 @@ def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, mod
     """What conversion and resume need to know about a checkpoint, besides its files; for a `zerodp
     prepare` folder also the tokenizer its meta.json names ({path, sha256, eot_id, special_tokens}),
     which `zerodp convert --to hf` copies into the export and `zerodp generate` encodes and decodes with."""
-    prepared = prepared_meta(cfg.data.source)
+    prepared = prepared_meta(primary_source(cfg.data))  # a mixture's sources share its tokenizer
     tokenizer = {**{k: (prepared.get("tokenizer") or {}).get(k) for k in ("path", "sha256")},
                  "eot_id": prepared.get("eot_id"), "special_tokens": prepared.get("special_tokens", True)} \
         if prepared else None
@@ -124,7 +125,10 @@ def open_run_folder(env: DistEnv, ready: Ready) -> None:
     write the resolved config (auto replaced by the choice) and say what the planner chose."""
     cfg, plan = ready.cfg, ready.plan
     if ready.prepared_line:  # after both splits' checks: a bad input stays a one-line error
-        log(env, ready.prepared_line)
+        for line in ready.prepared_line.splitlines():
+            log(env, line)
+    if ready.train_data.note:
+        log(env, ready.train_data.note)
     if env.rank == 0:
         if ready.start.set_aside:
             _set_aside_earlier_run(env, Path(cfg.train.out_dir), ready.start.set_aside)
@@ -188,7 +192,7 @@ class Steps:
         cfg, env, guards, watch = self.cfg, self.env, self.guards, self.guards.watch
         pending: list[Pending] = []
         step_comm: dict[int, dict] = {}  # each pending step's collectives (zerodp.telemetry.comm), for its record
-        self.done = start
+        self.done, self.train_data = start, train_data
         t_end = self.interval_start = time.perf_counter()
         self.strategy.model.train()
         for step, micro_batches in prefetch(train_data, range(start, cfg.train.max_steps), cfg,
@@ -205,6 +209,7 @@ class Steps:
                                    guards.probe.launch() if guards.probe is not None else None, local_sq))
             step_comm[done] = self.meter.record()  # counted on the host as the collectives were issued
             guards.heartbeat.beat(done)  # a write to the job's store, not a device sync
+            self._say_epoch_ends(done)
             if not self.held:  # after the first step, when gradients and optimizer state exist
                 self._say_held()
             evaluate_now = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.max_steps)
@@ -241,16 +246,36 @@ class Steps:
         for p, per_rank in zip(pending, per_step):
             record = self.records.measure(p, per_rank, sync_wait if p is pending[-1] else 0.0,
                                           step_comm.pop(p.step, {}))
+            record.update(self._epochs(p.step))
             found = self.guards.find_stragglers(per_rank)
             if found:
                 record["stragglers"] = found
             new.append(record)
         if evaluate_now:
             t_eval = time.perf_counter()
-            new[-1]["val_loss"] = evaluate(self.strategy, val_data, self.cfg, self.env)
+            new[-1].update(evaluate(self.strategy, val_data, self.cfg, self.env))
             self.interval_start += time.perf_counter() - t_eval
         self.records.publish(new)
         return stop
+
+    def _epochs(self, done: int) -> dict[str, float]:
+        """Epochs of the training data completed after `done` steps: "epoch", and for a mixture each
+        source's ("epoch/<name>"), "epoch" then the largest (the source repeated most)."""
+        data = self.train_data
+        epochs = [round(e, 6) for e in data.epochs(done, self.cfg.train.global_batch_size)]
+        if len(epochs) == 1:
+            return {"epoch": epochs[0]}
+        return {"epoch": max(epochs), **{f"epoch/{s.name}": e for s, e in zip(data.streams, epochs)}}
+
+    def _say_epoch_ends(self, done: int) -> None:
+        """One line (rank 0) for each source whose epoch ended within step `done`."""
+        data, G = self.train_data, self.cfg.train.global_batch_size
+        for s, before, after, n in zip(data.streams, data.epochs(done - 1, G), data.epochs(done, G),
+                                       data.samples_per_epoch()):
+            if int(after) > int(before):
+                what = f"data source {s.name}" if len(data.streams) > 1 else "the training data"
+                log(self.env, f"epoch {int(after)} of {what} ({n:,} samples) ended in step {done}; the next visits "
+                              f"them in a new order")
 
     def _say_held(self) -> None:
         self.held = self.strategy.state_bytes()
@@ -269,11 +294,11 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
     ranks' waiting hides inside the backward's gradient reduction."""
     loss_sum = torch.zeros((), device=device)
     forward = Stopwatch(device)
-    for i, (x, y) in enumerate(micro_batches):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    for i, batch in enumerate(micro_batches):
+        batch = model_inputs(batch, device)
         with strategy.micro_step(is_last=i == len(micro_batches) - 1):
             with strategy.autocast(), forward:
-                loss = strategy.model(x, y)
+                loss = strategy.model(*batch)
             strategy.backward(loss)
         loss_sum += loss.detach().float()
     local_grad_sq = getattr(strategy, "local_grad_sq", None)  # optional; before step(): the loss scale
@@ -282,20 +307,33 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
     return loss_sum / len(micro_batches), grad_norm, forward, local_sq
 
 
+def model_inputs(batch: tuple, device: torch.device, non_blocking: bool = True) -> tuple:
+    """A micro batch on `device`, as the model takes it: (x, y), or (x, y, doc_ids) when
+    zerodp.data.batches adds document ids (data.document_masking with a document index)."""
+    return tuple(t.to(device, non_blocking=non_blocking) for t in batch)
+
+
 @torch.no_grad()
-def evaluate(strategy, val_data: TokenBatches, cfg: Config, env: DistEnv) -> float:
-    """Mean validation loss over eval_batches micro batches per rank, averaged over ranks."""
+def evaluate(strategy, val_data: TokenBatches, cfg: Config, env: DistEnv) -> dict[str, float]:
+    """Mean validation loss over eval_batches micro batches per rank, averaged over ranks: {"val_loss"},
+    and for a mixture the loss of each source ("val_loss/<name>") with val_loss their weighted mean."""
     strategy.model.eval()
-    total = torch.zeros((), device=env.device)
-    micro = cfg.train.micro_batch_size
-    for i in range(cfg.train.eval_batches):
-        # Fixed validation batches: step index i of the validation split.
-        x, y = val_data.rank_micro_batches(i, micro * env.world_size, micro, env.rank, env.world_size)[0]
-        with strategy.autocast():
-            total += strategy.model(x.to(env.device), y.to(env.device)).float()
+    micro, sources = cfg.train.micro_batch_size, val_data.per_source()
+    totals = torch.zeros(len(sources), device=env.device)
+    for j, (_, data) in enumerate(sources):
+        for i in range(cfg.train.eval_batches):
+            # Fixed validation batches: step index i of the validation split.
+            batch = data.rank_micro_batches(i, micro * env.world_size, micro, env.rank, env.world_size)[0]
+            with strategy.autocast():
+                totals[j] += strategy.model(*model_inputs(batch, env.device, non_blocking=False)).float()
     strategy.model.train()
-    vals = all_gather_floats([total.item() / cfg.train.eval_batches])
-    return sum(v[0] for v in vals) / env.world_size
+    vals = all_gather_floats((totals / cfg.train.eval_batches).tolist())
+    losses = [sum(v[j] for v in vals) / env.world_size for j in range(len(sources))]
+    if len(sources) == 1:
+        return {"val_loss": losses[0]}
+    weights = [s.weight for s in val_data.streams]
+    blended = sum(w * loss for w, loss in zip(weights, losses)) / sum(weights)
+    return {"val_loss": blended, **{f"val_loss/{name}": loss for (name, _), loss in zip(sources, losses)}}
 
 
 def _set_aside_earlier_run(env: DistEnv, out_dir: Path, names: list[str]) -> None:

@@ -109,16 +109,20 @@ class Records:
             return
         if bar is not None:
             mfu = {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
+            epoch = {"epoch": f"{record['epoch']:.2f}"} if "epoch" in record else {}
             bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                            tok_s=f"{record['tokens_per_s']:,.0f}", **mfu)
+                            tok_s=f"{record['tokens_per_s']:,.0f}", **epoch, **mfu)
             bar.update(1)
         step = record["step"]
         if bar is None and (step % cfg.train.log_every == 0 or step == cfg.train.max_steps):
             mfu = f", MFU {record['mfu']:.1%}" if "mfu" in record else ""
+            epoch = f", epoch {record['epoch']:.2f}" if "epoch" in record else ""
             log(env, f"step {step}/{cfg.train.max_steps}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
-                     f"grad_norm {record['grad_norm']:.3f}, {record['tokens_per_s']:,.0f} tokens/s{mfu}")
+                     f"grad_norm {record['grad_norm']:.3f}, {record['tokens_per_s']:,.0f} tokens/s{epoch}{mfu}")
         if "val_loss" in record:
-            log(env, f"step {step}: val_loss {record['val_loss']:.4f}")
+            each = ", ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in record.items()
+                             if k.startswith("val_loss/"))
+            log(env, f"step {step}: val_loss {record['val_loss']:.4f}" + (f" ({each})" if each else ""))
 
 
 def _noise_scale(cfg: Config, env: DistEnv, state: dict | None) -> NoiseScale | None:

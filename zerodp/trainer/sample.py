@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from zerodp.config import Config
+from zerodp.config.sources import primary_source
 from zerodp.data.batches import prepared_meta
 from zerodp.distributed.process_group import DistEnv
 
@@ -60,7 +61,7 @@ def tokenizer_of(meta: dict):
 def prompt_tokens(cfg: Config) -> list[int]:
     """For a prepared folder its end-of-text token (else "The" encoded, else token 0); `def ` as bytes
     for a byte-level (or larger) vocabulary; else token 0."""
-    meta = prepared_meta(cfg.data.source)
+    meta = prepared_meta(primary_source(cfg.data))
     if meta is not None:
         if meta.get("eot_id") is not None:
             return [int(meta["eot_id"])]
@@ -72,7 +73,7 @@ def prompt_tokens(cfg: Config) -> list[int]:
 def decode(cfg: Config, tokens: list[int]) -> str:
     """Text via a prepared folder's tokenizer; text for a byte-level sample; else the token ids
     separated by spaces (for a prepared folder after a line saying why the tokenizer was not used)."""
-    meta = prepared_meta(cfg.data.source)
+    meta = prepared_meta(primary_source(cfg.data))
     if meta is not None:
         tok, why = tokenizer_of(meta)
         if tok is not None:

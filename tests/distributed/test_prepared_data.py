@@ -75,8 +75,8 @@ def test_batches_come_from_train_bin_and_val_bin(prepared, tmp_path):
     T, G = cfg.model.block_size, cfg.train.global_batch_size
     for split, stream in (("train", train_bin), ("val", val_bin)):
         batches = TokenBatches(data, cfg, split)
-        offsets = batches.offsets(0, G)
-        assert offsets.max() < len(stream) - T - 1
+        offsets = batches.offsets(0, G)  # samples: windows of T + 1 tokens every T tokens (zerodp.data.samples)
+        assert offsets.max() <= len(stream) - T - 1 and (offsets % T == 0).all()
         x, y = batches.rows(offsets)
         assert x.tolist() == [stream[o : o + T].tolist() for o in offsets]
         assert y.tolist() == [stream[o + 1 : o + T + 1].tolist() for o in offsets]

@@ -1,4 +1,4 @@
-"""`zerodp` command line: train, plan, convert, inspect, config, prepare.
+"""`zerodp` command line: train, plan, convert, inspect, config, prepare, data, generate, eval.
 
 User errors (UserError) become one line on stderr and exit code 2, never a traceback.
 """
@@ -134,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="zerodp", description="Data-parallel GPT training: one pipeline, any strategy.")
     parser.add_argument("--version", action="version", version=f"zerodp {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,plan,convert,inspect,config,prepare,generate,eval}",
-                                parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser,
+                                metavar="{train,plan,convert,inspect,config,prepare,data,generate,eval}")
     sub.required = True
     _add_train(sub)
     from zerodp.convert import cli as convert_cli
@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     from zerodp.cli import prepare as prepare_cli
 
     prepare_cli.add_prepare_parser(sub)
+    from zerodp.cli import data as data_cli
+
+    data_cli.add_data_parser(sub)
     from zerodp.cli import use
 
     use.add_parsers(sub)

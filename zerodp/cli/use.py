@@ -129,11 +129,12 @@ def text_of(source, run_cfg: dict, tokenizer: str | None) -> Text:
     """The Text of an open checkpoint: --tokenizer, else the run's recorded tokenizer, else a
     tokenizer.json beside the checkpoint (an HF export), else the prepared folder the run's config names;
     bytes when the run read text byte by byte; else ids."""
+    from zerodp.config.sources import primary_source
     from zerodp.data.batches import prepared_meta
     from zerodp.trainer.sample import tokenizer_of
 
     rec = source.meta.get("tokenizer") or {}
-    data = (run_cfg.get("data") or {}).get("source")
+    data = primary_source(run_cfg.get("data") or {})
     prepared = prepared_meta(data) if data else None
     eot = rec.get("eot_id", (prepared or {}).get("eot_id"))
     if eot is None:
@@ -277,30 +278,56 @@ def run_eval(args) -> int:
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: give at least 1")
     _not_a_dataset(args.path, "eval")
-    import numpy as np
-    import torch  # after the check of the arguments alone: that fails at once, not after torch's import
-    from tqdm import tqdm
-
-    from zerodp.api import model_from_source
+    from zerodp.api import model_from_source  # after the check of the arguments alone: imports torch
+    from zerodp.config.sources import primary_source
     from zerodp.convert import open_checkpoint
-    from zerodp.data.batches import PreparedTokens, load_tokens, prepared_meta
+    from zerodp.data.batches import Mixture, PreparedTokens, load_tokens, prepared_meta
 
     device = _device(args.device)
     with open_checkpoint(args.path) as source:
         cfg = eval_config(source, args.overrides, args.path)
         recorded = (source.meta.get("tokenizer") or {}).get("sha256")
-        prepared = prepared_meta(cfg.data.source)
+        prepared = prepared_meta(primary_source(cfg.data))
         used = ((prepared or {}).get("tokenizer") or {}).get("sha256")
         if recorded and prepared is not None and used != recorded:
-            raise UserError(f"{cfg.data.source} was prepared with another tokenizer than the one {args.path} was "
-                            f"trained with (sha256 differs); evaluate on data prepared with the run's tokenizer")
+            raise UserError(f"{primary_source(cfg.data)} was prepared with another tokenizer than the one {args.path} "
+                            f"was trained with (sha256 differs); evaluate on data prepared with the run's tokenizer")
         tokens = load_tokens(cfg)
         model = model_from_source(source, device)
-    if isinstance(tokens, PreparedTokens):
-        split, where = tokens.val, tokens.folder / "val.bin"
+    if isinstance(tokens, Mixture):  # each source's val.bin, and their mean by weight
+        splits = [(p.name, p.weight, p.data.val, p.data.folder / "val.bin") for p in tokens.parts]
+    elif isinstance(tokens, PreparedTokens):
+        splits = [(None, 1.0, tokens.val, tokens.folder / "val.bin")]
     else:
         n_val = int(len(tokens) * cfg.data.val_fraction)
-        split, where = tokens[len(tokens) - n_val:], f"the last {cfg.data.val_fraction:g} of {cfg.data.source}"
+        splits = [(None, 1.0, tokens[len(tokens) - n_val:], f"the last {cfg.data.val_fraction:g} of {cfg.data.source}")]
+    results = [_eval_split(model, split, where, args, device) for _, _, split, where in splits]
+    if len(results) == 1:
+        result = results[0]
+    else:
+        total = sum(w for _, w, _, _ in splits)
+        loss = sum(w * r["val_loss"] for (_, w, _, _), r in zip(splits, results)) / total
+        result = {"val_loss": loss, "perplexity": math.exp(min(loss, 700)),
+                  "sources": {name: r for (name, _, _, _), r in zip(splits, results)}}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for (name, weight, _, where), r in zip(splits, results):
+        print(("" if name is None else f"{name} (weight {weight:g}): ") + f"val_loss {r['val_loss']:.4f}  perplexity "
+              f"{r['perplexity']:.3f}  ({r['tokens']:,} tokens: {r['windows']:,} windows of {model.arch.block_size} "
+              f"from {where})")
+    if len(results) > 1:
+        print(f"val_loss {result['val_loss']:.4f}  perplexity {result['perplexity']:.3f}  (the sources' mean by "
+              f"weight)")
+    return 0
+
+
+def _eval_split(model, split, where, args, device) -> dict:
+    """The mean loss over the consecutive windows of `split` (its first --max-tokens)."""
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
     if args.max_tokens is not None:
         split = split[: max(0, args.max_tokens) + 1]
     T = model.arch.block_size
@@ -319,11 +346,5 @@ def run_eval(args) -> int:
             bar.update(len(rows))
     bar.close()
     loss = total / windows
-    result = {"val_loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": windows * T, "windows": windows,
-              "source": str(where)}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"val_loss {loss:.4f}  perplexity {result['perplexity']:.3f}  ({windows * T:,} tokens: {windows:,} "
-              f"windows of {T} from {where})")
-    return 0
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": windows * T, "windows": windows,
+            "source": str(where)}

@@ -181,7 +181,7 @@ def _index_file(folder: Path, meta: dict, split: str, tokens: int) -> np.ndarray
     if not path.is_file() or path.stat().st_size % dtype.itemsize:
         raise UserError(f"{path}, the document index {folder / 'meta.json'} lists, is missing or not a whole "
                         f"number of {dtype.name} offsets; run zerodp prepare again")
-    if path.stat().st_size == 0:
+    if path.stat().st_size == 0 or tokens == 0:
         return np.zeros(0, dtype=dtype)
     index = np.memmap(path, dtype=dtype, mode="r")
     if index[0] != 0 or index[-1] >= max(tokens, 1):

@@ -1,0 +1,154 @@
+"""`zerodp data batch` and `zerodp data stats`: what the sampler (zerodp.data.samples) feeds a run.
+
+    zerodp data batch configs/tiny.yaml --step 1000 --world 8 --micro 4 [--json] [--decode]
+    zerodp data stats runs/mine
+
+`batch` prints step K's global batch as training draws it, for each row its source, sample, token range
+and documents, and the rank and micro batch that train it (at --world and --micro: the batch itself is
+the same at every split); --decode adds each sample's text. `stats` prints per source its documents,
+tokens, samples per epoch and the epochs train.max_steps reaches. Both read a training config (with
+section.key=value overrides) or a run folder (its config.yaml).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from zerodp.errors import UserError
+
+
+def add_data_parser(sub) -> None:
+    p = sub.add_parser("data", help="what the sampler feeds a run: one step's global batch, or per-source statistics",
+                       description="Inspect the training data as the sampler draws it (docs/data.md).")
+    inner = p.add_subparsers(dest="data_command", metavar="{batch,stats}", parser_class=type(p))
+    inner.required = True
+    b = inner.add_parser("batch", help="step K's global batch: each row's source, documents, tokens, rank and micro "
+                                       "batch", description="Print step K's global batch as training draws it.")
+    _config_args(b)
+    b.add_argument("--step", type=int, required=True, help="the optimizer step (0 is the first)")
+    b.add_argument("--world", type=int, default=1, help="ranks to split the batch over (default 1)")
+    b.add_argument("--micro", type=int, default=None, help="micro batch per rank (default train.micro_batch_size)")
+    b.add_argument("--json", action="store_true", help="one JSON object")
+    b.add_argument("--decode", action="store_true", help="each sample's text (the prepared folder's tokenizer; bytes "
+                                                          "for raw text)")
+    b.set_defaults(func=run_batch)
+    s = inner.add_parser("stats", help="per source: documents, tokens, samples per epoch, epochs at train.max_steps",
+                         description="Per source: documents, tokens, samples per epoch and epochs at train.max_steps.")
+    _config_args(s)
+    s.add_argument("--json", action="store_true", help="one JSON object")
+    s.set_defaults(func=run_stats)
+
+
+def _config_args(p) -> None:
+    p.add_argument("config", help="a training config (YAML) or a run folder (its config.yaml)")
+    p.add_argument("overrides", nargs="*", default=[], help="section.key=value, e.g. data.source=data/mine")
+
+
+def _config(path: str, overrides: list[str]):
+    from zerodp.config import load_config
+
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.yaml").is_file():
+            raise UserError(f"{path} holds no config.yaml; give a training config or the train.out_dir of a run")
+        p = p / "config.yaml"
+    return load_config(str(p), overrides)
+
+
+def _batches(cfg, split: str = "train"):
+    from zerodp.data.batches import TokenBatches, load_tokens
+
+    return TokenBatches(load_tokens(cfg), cfg, split, document_masking=False)
+
+
+def rows_of(cfg, step: int, world: int, micro: int, decode: bool = False) -> list[dict]:
+    """Step `step`'s global batch, a dict per row: row, rank, micro, source, sample, epoch, tokens
+    [start, end) in the source's split file, documents [first, last] (None without an index), and with
+    `decode` the sample's text."""
+    from zerodp.data.samples import documents_of
+
+    data, G, T = _batches(cfg), cfg.train.global_batch_size, cfg.model.block_size
+    where, per_rank = data.locate(step, G), G // world
+    if decode:
+        from zerodp.trainer.sample import decode as decode_tokens
+    out = []
+    for j, (d, sample, start) in enumerate(zip(where.source.tolist(), where.sample.tolist(), where.start.tolist())):
+        s = data.streams[d]
+        docs = documents_of(s.index, start, T + 1) if s.index is not None and len(s.index) else None
+        row = {"row": j, "rank": j // per_rank, "micro": (j % per_rank) // micro, "source": s.name,
+               "file": s.where, "sample": sample, "tokens": [start, start + T + 1],
+               "documents": list(docs) if docs is not None else None}
+        if decode:
+            row["text"] = decode_tokens(cfg, [int(t) for t in s.tokens[start : start + T + 1]])
+        out.append(row)
+    return out
+
+
+def run_batch(args) -> int:
+    if args.step < 0 or args.world < 1 or (args.micro is not None and args.micro < 1):
+        raise UserError(f"--step {args.step} --world {args.world} --micro {args.micro}: give a step >= 0 and a world "
+                        f"and micro batch >= 1")
+    cfg = _config(args.config, args.overrides)
+    if args.micro is not None:
+        cfg.train.micro_batch_size = args.micro
+    if cfg.train.micro_batch_size == "auto":
+        raise UserError("train.micro_batch_size is auto: the planner picks it at launch; give --micro N")
+    accum = cfg.check_batch_split(args.world)
+    micro = cfg.train.micro_batch_size
+    rows = rows_of(cfg, args.step, args.world, micro, args.decode)
+    head = {"step": args.step, "global_batch": cfg.train.global_batch_size, "world": args.world, "micro": micro,
+            "accumulation": accum, "block_size": cfg.model.block_size}
+    if args.json:
+        print(json.dumps({**head, "rows": rows}))
+        return 0
+    print(f"step {args.step}: global batch {head['global_batch']} = micro {micro} x world {args.world} x accum "
+          f"{accum}, samples of {cfg.model.block_size + 1} tokens")
+    for r in rows:
+        docs = "-" if r["documents"] is None else (f"document {r['documents'][0]}" if r["documents"][0] == r[
+            "documents"][1] else f"documents {r['documents'][0]}-{r['documents'][1]}")
+        print(f"row {r['row']:>4}  rank {r['rank']} micro {r['micro']}  {r['source']}  sample {r['sample']:,}  tokens "
+              f"[{r['tokens'][0]:,}, {r['tokens'][1]:,})  {docs}")
+        if args.decode:
+            print(f"      {r['text']!r}")
+    return 0
+
+
+def stats_of(cfg) -> list[dict]:
+    """Per source: name, weight, documents and tokens of each split, samples per epoch (train) and the
+    epochs train.max_steps reaches."""
+    import copy
+
+    data, val, evaluating = _batches(cfg), None, copy.deepcopy(cfg)
+    evaluating.train.eval_every = 1  # a val split too short for one sample is reported as none, not as train's
+    try:
+        val = _batches(evaluating, "val")
+    except UserError:
+        pass
+    G, steps = cfg.train.global_batch_size, cfg.train.max_steps
+    out = []
+    for d, (s, n, epochs) in enumerate(zip(data.streams, data.samples_per_epoch(), data.epochs(steps, G))):
+        v = val.streams[d] if val is not None else None
+        out.append({"source": s.name, "file": s.where, "weight": s.weight / sum(x.weight for x in data.streams),
+                    "documents": None if s.index is None else len(s.index), "tokens": len(s.tokens),
+                    "val_documents": None if v is None or v.index is None else len(v.index),
+                    "val_tokens": None if v is None else len(v.tokens),
+                    "samples_per_epoch": n, "epochs_at_max_steps": epochs})
+    return out
+
+
+def run_stats(args) -> int:
+    cfg = _config(args.config, args.overrides)
+    stats = stats_of(cfg)
+    if args.json:
+        print(json.dumps({"max_steps": cfg.train.max_steps, "global_batch": cfg.train.global_batch_size,
+                          "block_size": cfg.model.block_size, "sources": stats}))
+        return 0
+    print(f"train.max_steps {cfg.train.max_steps:,} x global batch {cfg.train.global_batch_size} samples of "
+          f"{cfg.model.block_size + 1} tokens")
+    for s in stats:
+        docs = "documents unknown (no index)" if s["documents"] is None else f"{s['documents']:,} documents"
+        val = "" if s["val_tokens"] is None else f"; val {s['val_tokens']:,} tokens"
+        print(f"{s['source']} (weight {s['weight']:.3g}, {s['file']}): {docs}, {s['tokens']:,} tokens, "
+              f"{s['samples_per_epoch']:,} samples an epoch, {s['epochs_at_max_steps']:.3f} epochs at max_steps{val}")
+    return 0

@@ -41,7 +41,8 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
     run = root / "run"
     over = [*[o for o in tiny if not o.startswith("model.vocab_size=")], f"train.global_batch_size={G}",
             f"train.micro_batch_size={MICRO}", f"train.max_steps={STEPS}", "train.eval_every=2", "train.eval_batches=1",
-            f"data.sources=[{{path: {a}, weight: 0.75}}, {{path: {b}, weight: 0.25}}]", f"train.out_dir={run}"]
+            f"data.sources=[{{path: {a}, weight: 0.75}}, {{path: {b}, weight: 0.25}}]", f"train.out_dir={run}",
+            f"checkpoint.every={STEPS}", "train.grad_noise_scale=true"]
     ranks = run_distributed("tests.support.sampler_workers:record_batches", 2, {"overrides": over}, fresh=True)
     expected, _ = reference_run(load_config(None, over))  # one process, each step's whole global batch
     losses = [ranks[0]["losses"][s] for s in sorted(ranks[0]["losses"])]
@@ -52,13 +53,23 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
     last = records[-1]
     assert last["val_loss"] == pytest.approx(0.75 * last["val_loss/code"] + 0.25 * last["val_loss/more"])
 
-    tokenizer = Tokenizer.from_file(str(tok))
-    for step in (0, STEPS - 1):
-        r = subprocess.run([sys.executable, "-m", "zerodp", "data", "batch", str(run), "--step", str(step), "--world",
-                            "2", "--micro", str(MICRO), "--json", "--decode"], capture_output=True, text=True, cwd=ROOT,
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "zerodp", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
                            timeout=300)
         assert r.returncode == 0, r.stderr
-        rows = json.loads(r.stdout)["rows"]
+        return r.stdout
+
+    # zerodp eval and plan --from-run read the mixture's run as any other
+    result = json.loads(cli("eval", run, "--json", "--max-tokens", 2000, "--no-progress"))
+    each = result["sources"]
+    assert set(each) == {"code", "more"} and each["code"]["source"] == str(a / "val.bin")
+    assert result["val_loss"] == pytest.approx(0.75 * each["code"]["val_loss"] + 0.25 * each["more"]["val_loss"])
+    assert "critical batch measured by" in cli("plan", "--from-run", run)
+
+    tokenizer = Tokenizer.from_file(str(tok))
+    for step in (0, STEPS - 1):
+        rows = json.loads(cli("data", "batch", run, "--step", step, "--world", 2, "--micro", MICRO, "--json",
+                              "--decode"))["rows"]
         assert [row["source"] for row in rows].count("code") == 6  # 0.75 of 8
         for row in rows:
             got = ranks[row["rank"]]["rows"][step][row["micro"]][row["row"] % MICRO]  # what that rank's loop received

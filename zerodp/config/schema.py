@@ -21,6 +21,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "wsd")
 """optim.schedule's names; zerodp.optim.schedules holds a function for each."""
 DECAY_SHAPES = ("linear", "1-sqrt")
+DOCUMENT_ATTENTION = ("auto", "flex", "sdpa")
+"""model.document_attention's kernels (zerodp.models.docmask)."""
 
 
 @dataclass
@@ -68,6 +70,10 @@ class ModelConfig:
     """Dropout probability. 0 keeps runs at different world sizes bit-comparable."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass instead of storing them."""
+    document_attention: str = "auto"
+    """The attention kernel under document masking (data.document_masking): flex (torch's flex attention
+    with a block mask, nothing T x T; no dropout, no CPU backward), sdpa (SDPA with one (B, 1, T, T)
+    additive mask per micro batch), or auto: flex on CUDA without dropout, else sdpa. See docs/models.md."""
     init_from: Optional[str] = None
     """Start from these weights (safetensors file, Hugging Face model folder or convertible checkpoint)
     instead of random init; checked against this model section before the run starts."""
@@ -96,6 +102,10 @@ class DataConfig:
     file or folder of your own is always read whole; what was read is printed when training starts."""
     prefetch: int = 2
     """Global batches prepared ahead of the training step by a background thread."""
+    document_masking: bool = False
+    """Attention stays within each document of a packed sample, and positions restart at 0 at each one
+    (after every end-of-text token), so a packed sample trains as its documents alone would. The kernel
+    is model.document_attention's; the planner counts the mask (docs/models.md, docs/memory_model.md)."""
 
 
 @dataclass
@@ -298,6 +308,10 @@ class Config:
             )
         if not 0.0 <= m.dropout < 1.0:
             raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+        _one_of("model.document_attention", m.document_attention, DOCUMENT_ATTENTION)
+        if m.document_attention == "flex" and m.dropout:
+            raise ConfigError(f"model.document_attention=flex has no attention dropout (model.dropout={m.dropout}); "
+                              f"set model.document_attention=sdpa or model.dropout=0")
         if d.token_dtype not in ("uint16", "uint32"):
             raise ConfigError(f"data.token_dtype={d.token_dtype!r} must be 'uint16' or 'uint32'")
         if not 0.0 < d.val_fraction < 0.5:

@@ -1,7 +1,8 @@
 """What every architecture's model shares: the forward pass over blocks (with activation
 checkpointing), the loss, generation (and its key/value cache, `KVCache`), the names of tied weights,
-and the initial weights. A family implements `embed`, `run_block`, `head`, `blocks` and names its
-`RESIDUAL_PROJECTIONS`; the loop and the strategies see only this.
+and the initial weights. A family implements `embed(idx, start, positions)`, `run_block(block, x, kv,
+mask)`, `head`, `blocks` and names its `RESIDUAL_PROJECTIONS`; the loop and the strategies see only this.
+Document masking (`doc_ids`) is zerodp.models.docmask's.
 
 Initial weights do not depend on the layout: parameter `name`'s initial values are a pure function of
 (train.seed, name), cut in blocks of INIT_BLOCK elements of the flattened parameter, each block drawn
@@ -18,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from zerodp.models import docmask
 
 INIT_BLOCK = 1 << 20
 """Elements per independently seeded block of a parameter's initial values."""
@@ -127,16 +130,28 @@ class DecoderLM(nn.Module):
         """alias -> stored name for weights shared by two modules (the tied head), as checkpoints record."""
         return self.arch.tied_weights()
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 cache: KVCache | None = None) -> torch.Tensor:
         """Return the mean cross-entropy over all tokens if targets are given, else the logits (B, T, V).
-        With a `cache` (generation, no gradients) `idx` continues the cached tokens: positions start at
-        cache.pos, each block attends to its cached keys and values and appends idx's."""
+        With `doc_ids` (B, T), integer and non-decreasing along T (a new value starts a document; a row's
+        first token starts one), attention stays within each document and positions restart at 0 at each
+        (zerodp.models.docmask): a packed sample computes what its documents alone would. One mask is built
+        here, shared by every block. With a `cache` (generation, no gradients, no doc_ids) `idx` continues
+        the cached tokens: positions start at cache.pos, each block attends to its cached keys and values
+        and appends idx's."""
         start = cache.pos if cache is not None else 0
-        x = self.embed(idx, start)  # (B, T, C)
+        if doc_ids is None:
+            x, extra = self.embed(idx, start), ()  # (B, T, C)
+        else:
+            assert cache is None and doc_ids.shape == idx.shape, "doc_ids: (B, T) like idx, without a cache"
+            x = self.embed(idx, 0, docmask.document_positions(doc_ids))
+            kind = docmask.kernel(self.cfg.document_attention, x.device, self.cfg.dropout if self.training else 0.0)
+            extra = (None, docmask.document_mask(doc_ids, kind, docmask.compute_dtype(x)))  # (kv, mask)
         for i, block in enumerate(self.blocks()):
             if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(self.run_block, block, x, use_reentrant=False)
+                x = checkpoint(self.run_block, block, x, *extra, use_reentrant=False)
+            elif extra:
+                x = self.run_block(block, x, *extra)
             else:
                 x = self.run_block(block, x, cache.layers[i] if cache is not None else None)
         if cache is not None:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.h
 
 from zerodp.models.arch import arch_of
 from zerodp.models.common import DecoderLM, LayerKV, attend
+from zerodp.models.docmask import attend_documents
 
 
 class CausalSelfAttention(nn.Module):
@@ -30,14 +31,14 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(a.n_embd, a.n_embd, bias=a.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None, mask=None) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         drop = self.dropout if self.training else 0.0
-        y = attend(q, k, v, kv, drop)  # (B, nh, T, hs)
+        y = attend(q, k, v, kv, drop) if mask is None else attend_documents(q, k, v, mask, drop)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return F.dropout(self.c_proj(y), drop, self.training)
 
@@ -64,8 +65,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(a.n_embd, eps=a.norm_eps, bias=a.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv)
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None, mask=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv, mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -92,11 +93,14 @@ class GPT(DecoderLM):
         """The transformer blocks: the unit of activation checkpointing and of FSDP sharding."""
         return list(self.transformer.h)
 
-    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
-        pos = torch.arange(start, start + idx.shape[1], device=idx.device)
+    def embed(self, idx: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token plus position embeddings; positions start..start+T-1, or `positions` (B, T) (documents)."""
+        pos = torch.arange(start, start + idx.shape[1], device=idx.device) if positions is None else positions
         return self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
 
-    def run_block(self, block: nn.Module, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+    def run_block(self, block: nn.Module, x: torch.Tensor, kv: LayerKV | None = None, mask=None) -> torch.Tensor:
+        if mask is not None:  # a document mask (zerodp.models.docmask), never with a cache
+            return block(x, None, mask)
         return block(x) if kv is None else block(x, kv)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

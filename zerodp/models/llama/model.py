@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.h
 from zerodp.errors import ConfigError
 from zerodp.models.arch import Arch, arch_of
 from zerodp.models.common import DecoderLM, LayerKV, attend
+from zerodp.models.docmask import attend_documents
 
 
 class RMSNorm(nn.Module):
@@ -88,7 +89,8 @@ class Attention(nn.Module):
         normalises each head)."""
         return q, k
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None,
+                mask=None) -> torch.Tensor:
         B, T, _ = x.shape
         a = self.a
         q, k = self.norm_heads(self.q_proj(x).view(B, T, a.n_head, a.head_dim),
@@ -98,11 +100,14 @@ class Attention(nn.Module):
         q = (q * cos + rotate_half(q) * sin).to(v.dtype)
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)
         gqa = a.n_kv_head != a.n_head  # each kv head serves n_head / n_kv_head consecutive query heads
-        if gqa and not native_gqa(q):
-            k = k.repeat_interleave(a.n_head // a.n_kv_head, dim=1)  # (B, nh, T, hd)
-            v = v.repeat_interleave(a.n_head // a.n_kv_head, dim=1)
         drop = self.dropout if self.training else 0.0
-        y = attend(q, k, v, kv, drop, enable_gqa=gqa and native_gqa(q))  # (B, nh, T, hd)
+        if mask is not None:  # a document mask (zerodp.models.docmask): it handles grouped heads itself
+            y = attend_documents(q, k, v, mask, drop, gqa)  # (B, nh, T, hd)
+        else:
+            if gqa and not native_gqa(q):
+                k = k.repeat_interleave(a.n_head // a.n_kv_head, dim=1)  # (B, nh, T, hd)
+                v = v.repeat_interleave(a.n_head // a.n_kv_head, dim=1)
+            y = attend(q, k, v, kv, drop, enable_gqa=gqa and native_gqa(q))  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, a.n_head * a.head_dim)
         return F.dropout(self.o_proj(y), drop, self.training)
 
@@ -128,8 +133,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.n_embd, a.norm_eps)
         self.mlp = MLP(a, dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None,
+                mask=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -156,17 +162,24 @@ class Llama(DecoderLM):
         """The transformer blocks: the unit of activation checkpointing and of FSDP sharding."""
         return list(self.model.layers)
 
-    def embed(self, idx: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings; the rotary cos and sin for positions start..start+T-1 (T, hd), or for
+        `positions` (B, T) (documents: (B, 1, T, hd), broadcast over the heads)."""
         T = idx.shape[1]
         inv = rope_frequencies(self.arch, idx.device)
-        positions = torch.arange(start, start + T, device=idx.device, dtype=torch.float32)
-        freqs = torch.outer(positions, inv)  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=idx.device, dtype=torch.float32)
+            freqs = torch.outer(positions, inv)  # (T, hd/2)
+        else:
+            freqs = (positions.to(torch.float32)[..., None] * inv)[:, None]  # (B, 1, T, hd/2): outer's products
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd) or (B, 1, T, hd)
         self._rope = (emb.cos(), emb.sin())
         return self.model.embed_tokens(idx)  # (B, T, C)
 
-    def run_block(self, block: nn.Module, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+    def run_block(self, block: nn.Module, x: torch.Tensor, kv: LayerKV | None = None, mask=None) -> torch.Tensor:
         cos, sin = self._rope
+        if mask is not None:  # a document mask (zerodp.models.docmask), never with a cache
+            return block(x, cos, sin, None, mask)
         return block(x, cos, sin) if kv is None else block(x, cos, sin, kv)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

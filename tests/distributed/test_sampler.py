@@ -1,6 +1,7 @@
-"""The sampler in a real run: training on a mixture of two prepared folders at world 2 follows one
-process on the same global batches, metrics.jsonl records epochs and each source's validation loss, and
-`zerodp data batch --decode` prints exactly the tokens each rank's loop handed the model."""
+"""The sampler in a real run: training on a mixture of two prepared folders at world 2, with document
+masking (doc_ids from the folders' indexes), follows one process on the same global batches;
+metrics.jsonl records epochs and each source's validation loss; `zerodp eval` and `plan --from-run` read
+the run; and `zerodp data batch --decode` prints exactly the tokens each rank's loop handed the model."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
     over = [*[o for o in tiny if not o.startswith("model.vocab_size=")], f"train.global_batch_size={G}",
             f"train.micro_batch_size={MICRO}", f"train.max_steps={STEPS}", "train.eval_every=2", "train.eval_batches=1",
             f"data.sources=[{{path: {a}, weight: 0.75}}, {{path: {b}, weight: 0.25}}]", f"train.out_dir={run}",
-            f"checkpoint.every={STEPS}", "train.grad_noise_scale=true"]
+            f"checkpoint.every={STEPS}", "train.grad_noise_scale=true", "data.document_masking=true"]
     ranks = run_distributed("tests.support.sampler_workers:record_batches", 2, {"overrides": over}, fresh=True)
+    assert ranks[0]["arity"] == ranks[1]["arity"] == [3]  # every micro batch carried doc_ids to the model
     expected, _ = reference_run(load_config(None, over))  # one process, each step's whole global batch
     losses = [ranks[0]["losses"][s] for s in sorted(ranks[0]["losses"])]
     assert np.allclose(losses, expected, atol=1e-5), (losses, expected)

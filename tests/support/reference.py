@@ -36,8 +36,7 @@ def reference_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
     G = cfg.train.global_batch_size
     losses = []
     for step in range(cfg.train.max_steps):
-        x, y = data.rows(data.offsets(step, G))
-        loss = model(x, y)
+        loss = model(*data.rows(data.offsets(step, G)))  # (x, y), or (x, y, doc_ids) under document masking
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
         for g in opt.param_groups:

@@ -43,6 +43,7 @@ def record_batches(overrides: list[str]) -> dict:
     from zerodp.trainer import loop
 
     seen: dict[int, list[list[list[int]]]] = {}
+    arity: set[int] = set()
     real = loop.model_inputs
     step = {"k": -1, "left": 0}
     cfg = load_config(None, overrides)
@@ -53,6 +54,7 @@ def record_batches(overrides: list[str]) -> dict:
             if step["left"] == 0:
                 step["k"], step["left"] = step["k"] + 1, per_step
             step["left"] -= 1
+            arity.add(len(batch))
             x, y = batch[0], batch[1]  # a row's T + 1 tokens: x and y's last
             seen.setdefault(step["k"], []).append([a + [b[-1]] for a, b in zip(x.tolist(), y.tolist())])
         return real(batch, device, non_blocking)
@@ -62,7 +64,7 @@ def record_batches(overrides: list[str]) -> dict:
         summary = loop.train(cfg, fresh=True)
     finally:
         loop.model_inputs = real
-    return {"rows": seen, "losses": summary["losses"]}
+    return {"rows": seen, "losses": summary["losses"], "arity": sorted(arity)}
 
 
 def _world() -> int:

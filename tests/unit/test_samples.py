@@ -221,3 +221,19 @@ def test_data_batch_and_stats_say_what_the_sampler_draws(tiny, tmp_path, capsys)
         [("a", 40, 2000, 62), ("b", 30, 900, 28)]
     assert stats[0]["epochs_at_max_steps"] == pytest.approx(0.75 * 1200 / 62, abs=1 / 62)
     assert stats[0]["weight"] == 0.75 and stats[1]["val_tokens"] == 160
+
+
+def test_the_model_takes_the_micro_batch_with_doc_ids(tiny, tmp_path):
+    """model(*micro_batch): with doc_ids the loss is the masked one (documents attend within themselves)."""
+    from zerodp.models import build_model
+
+    folder = write_prepared(tmp_path / "d", [5, 40, 3, 3, 60, 10, 20, 7, 30, 2, 50], [40] * 3)
+    cfg = config(tiny, f"data.source={folder}", "model.block_size=16", "data.document_masking=true")
+    data = TokenBatches(load_tokens(cfg), cfg, "train")
+    assert data.with_doc_ids and data.note is None
+    batch = data.rank_micro_batches(0, G, 4, 0, 1)[0]
+    assert len(batch) == 3 and int(batch[2].max()) > 0  # some row holds a document start
+    model = build_model(cfg.model, cfg.train.seed)
+    with torch.no_grad():
+        masked, plain = model(*batch).item(), model(*batch[:2]).item()
+        assert masked == pytest.approx(model(batch[0], batch[1], batch[2]).item()) and masked != plain

@@ -94,7 +94,7 @@ class TokenBatches:
                       for d, s in enumerate(self.streams)]
         self.blend = Blend([s.weight for s in self.streams]) if len(self.streams) > 1 else None
         self.bases = np.cumsum([0] + [len(s.tokens) for s in self.streams[:-1]]).astype(np.int64)
-        masking = getattr(cfg.data, "document_masking", False) if document_masking is None else document_masking
+        masking = cfg.data.document_masking if document_masking is None else document_masking
         lacking = [s for s in self.streams if s.index is None]
         self.with_doc_ids = bool(masking) and not lacking
         self.note = None

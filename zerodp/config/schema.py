@@ -86,10 +86,8 @@ class DataConfig:
     files, a pre-tokenized token file (.bin, nanoGPT layout), or a `zerodp prepare` folder (train.bin,
     val.bin and meta.json: dtype, vocabulary and tokenizer come from meta.json; docs/data.md)."""
     sources: list = field(default_factory=list)
-    """A mixture in place of data.source: `[{path: DIR, weight: w}, ...]` (optional `name`, default the
-    folder's name: val_loss/<name>), zerodp prepare folders of one tokenizer, each global batch drawn
-    from them in the weights' proportions (docs/data.md). An override reads YAML:
-    'data.sources=[{path: data/a, weight: 0.7}, {path: data/b, weight: 0.3}]'."""
+    """A mixture in place of data.source: `[{path: DIR, weight: w, name: N (optional)}, ...]`, prepare folders
+    of one tokenizer blended by weight (docs/data.md); an override is YAML: 'data.sources=[{path: a, weight: 1}]'."""
     token_dtype: str = "uint16"
     """Element type of a pre-tokenized .bin file: uint16 or uint32 (a prepare folder says its own)."""
     val_fraction: float = 0.05

@@ -164,3 +164,56 @@ def test_config_checks_the_kernel():
     with pytest.raises(ConfigError, match="no attention dropout"):
         Config(model=ModelConfig(document_attention="flex", dropout=0.1)).validate()
     assert Config().data.document_masking is False
+
+
+# ---- the planner: the mask's bytes ---------------------------------------------------------------
+
+def test_the_planner_counts_one_mask_per_micro_batch():
+    """GPT-2 124M, micro batch 8 of 1024 in bf16: the SDPA mask is 8 x 1024 x 1024 x 2 bytes once (not per
+    layer), flex's block mask 8 int32 tensors of 8 x 8 blocks (and 8) per row; nothing without masking."""
+    import dataclasses
+
+    from zerodp.planner import Cluster, Layout, Workload, estimate, gpu_preset, preset
+    from zerodp.planner.memory import document_mask_bytes
+
+    m, h100 = preset("gpt2"), Cluster(gpu=gpu_preset("h100"), gpus_per_node=1, nodes=1)
+    plain = Workload(8, 1024, "bf16")
+    acts = {kind: estimate(m, Layout("single", h100, dataclasses.replace(
+        plain, document_masking=True, document_attention=kind))).activations_bytes for kind in ("sdpa", "flex", "auto")}
+    base = estimate(m, Layout("single", h100, plain)).activations_bytes
+    assert acts["sdpa"] - base == 8 * 1024 * 1024 * 2 == 16_777_216
+    assert acts["flex"] - base == acts["auto"] - base == 4 * 4 * 8 * 8 * 9 == 9_216  # auto on CUDA: flex
+    on = dataclasses.replace(plain, document_masking=True)
+    assert document_mask_bytes(m, on, cuda=False) == 16_777_216  # auto on the CPU: sdpa
+    assert document_mask_bytes(dataclasses.replace(m, dropout=True), on, cuda=True) == 16_777_216  # flex: no dropout
+    assert document_mask_bytes(m, dataclasses.replace(on, precision="fp32"), cuda=False) == 2 * 16_777_216
+
+
+def test_the_planner_figures_are_the_masks_sizes():
+    """The formulas against the tensors zerodp.models.docmask builds (flex's BlockMask built on the CPU)."""
+    import dataclasses
+
+    from zerodp.planner import Workload, preset
+    from zerodp.planner.memory import document_mask_bytes
+
+    doc_ids = torch.repeat_interleave(torch.arange(4), torch.tensor([100, 300, 250, 350]))[None].expand(2, 1000)
+    w = Workload(2, 1000, "bf16", document_masking=True)
+    block = document_mask(doc_ids, "flex", torch.bfloat16)
+    tensors = [block.kv_num_blocks, block.kv_indices, block.full_kv_num_blocks, block.full_kv_indices,
+               block.q_num_blocks, block.q_indices, block.full_q_num_blocks, block.full_q_indices]
+    m = preset("gpt2")
+    assert sum(t.nbytes for t in tensors) == document_mask_bytes(m, dataclasses.replace(w, document_attention="flex"),
+                                                                 cuda=True) == 4 * 4 * 2 * 8 * 9
+    mask = document_mask(doc_ids, "sdpa", torch.bfloat16)
+    assert mask.shape == (2, 1, 1000, 1000) and mask.nbytes == document_mask_bytes(m, w, cuda=False) == 4_000_000
+
+
+def test_a_training_config_with_document_masking_is_planned_with_its_mask():
+    from zerodp.config import load_config
+    from zerodp.planner.training import estimate_for_run
+
+    over = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=256", "train.micro_batch_size=4",
+            "train.global_batch_size=8", "strategy.name=ddp"]
+    got = {on: estimate_for_run(load_config(None, over + [f"data.document_masking={on}"]), 2, 2**30).activations_bytes
+           for on in ("false", "true")}
+    assert got["true"] - got["false"] == 4 * 256 * 256 * 4  # CPU ranks, fp32: the sdpa mask

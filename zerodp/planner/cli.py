@@ -191,7 +191,8 @@ def build(args):
             micro, accum, global_batch = args.micro_batch, per_rank // args.micro_batch, None
     workload = Workload(micro, args.seq_len or base.seq_len, args.precision or base.precision, accum, base.bucket_mb,
                         base.fsdp_defer_grad_reduce, base.fsdp_reshard_after_forward, base.zero3_persistence_threshold,
-                        base.zero3_keep_window)
+                        base.zero3_keep_window, document_masking=base.document_masking,
+                        document_attention=base.document_attention)
     if args.activation_checkpointing:
         ckpt = args.activation_checkpointing == "on"
     if model.shape_assumed:

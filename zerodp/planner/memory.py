@@ -58,6 +58,10 @@ class Workload:
     stage3_prefetch_bucket_size (a parameter the prefetcher finds still gathered is not released)."""
     grad_reduce_dtype: str = "fp32"
     """strategy.grad_reduce_dtype: what zero1-3 accumulate and reduce bf16 gradients in."""
+    document_masking: bool = False
+    """data.document_masking: one document mask per micro batch (`document_mask_bytes`)."""
+    document_attention: str = "auto"
+    """model.document_attention: the kernel the mask is for (auto: flex on CUDA without dropout, else sdpa)."""
 
 
 @dataclass(frozen=True)
@@ -231,8 +235,26 @@ def layer_activation_factor(m: ModelSpec, seq_len: int) -> float:
     return attn + mlp + 2 * m.norms_per_block  # + the norms' inputs
 
 
-def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool) -> int:
-    """Activations kept for backward for one micro batch, the logits and the loss included."""
+FLEX_BLOCK = 128
+"""torch's flex attention block (create_block_mask's default)."""
+
+
+def document_mask_bytes(m: ModelSpec, w: Workload, cuda: bool) -> int:
+    """The document mask of one micro batch (data.document_masking), built once per forward and shared by
+    every block (checkpointed or not): SDPA's additive mask b*s*s in the compute dtype, or flex's block
+    mask, 8 int32 tensors of n = ceil(s/128) blocks a side (4 of b*n, 4 of b*n*n). 0 without masking."""
+    if not w.document_masking:
+        return 0
+    kind = w.document_attention
+    if kind == "flex" or (kind == "auto" and cuda and not m.dropout):
+        n = -(-w.seq_len // FLEX_BLOCK)
+        return 4 * 4 * w.micro_batch * n * (n + 1)
+    return w.micro_batch * w.seq_len * w.seq_len * COMPUTE_BYTES[w.precision]
+
+
+def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool, cuda: bool = True) -> int:
+    """Activations kept for backward for one micro batch, the logits, the loss and the document mask
+    (on a `cuda` device or not: the mask's kernel) included."""
     s, b, h = w.seq_len, w.micro_batch, m.hidden
     scale = COMPUTE_BYTES[w.precision] / 2  # the factors above are for 16-bit activations
     one_layer = s * b * h * layer_activation_factor(m, s) * scale
@@ -241,7 +263,7 @@ def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool) -> int:
     else:
         layers = m.n_layer * one_layer
     logits = b * s * m.vocab_size * (COMPUTE_BYTES[w.precision] + 4)  # logits + fp32 copy for the loss
-    return int(layers + logits)
+    return int(layers + logits) + document_mask_bytes(m, w, cuda)
 
 
 def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
@@ -324,7 +346,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     # zerodp's DDP uses gradient_as_bucket_view: its buckets are the gradients, counted above.
     buckets = bucket_bytes(s.zero_stage, model.hidden, P, w.precision, w.grad_reduce_dtype, layout.offload_optimizer,
                            w.bucket_mb, model.largest_param) if s.bucket_copies and n > 1 else 0
-    acts = activation_bytes(model, w, ac)
+    acts = activation_bytes(model, w, ac, c.gpu.cuda)
     overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
     total = states + master_b + secondary + unsharded + gathered + buckets + acts + overhead
     usable = int(c.gpu.hbm_bytes * (1 - MARGIN))

@@ -50,7 +50,7 @@ def reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
             out.append(_micro_sentence(plan, chosen))
         elif plan.requested_checkpointing is None:
             if chosen.activation_checkpointing:
-                without = activation_bytes(plan.model, plan.workload, False)
+                without = activation_bytes(plan.model, plan.workload, False, plan.cluster.gpu.cuda)
                 out.append(f"Activation checkpointing turned on: without it activations need {gb(without)} per "
                            f"{device} and it does not fit; recomputing the forward adds ~33% compute, included in "
                            "the step time.")

@@ -14,7 +14,7 @@ from zerodp.strategies.catalog import spec
 
 def workload_from_config(cfg, world_size: int) -> Workload:
     """One step of `cfg` on `world_size` ranks: micro batch, block_size tokens, precision, buckets,
-    and train's gradient accumulation (Config.check_batch_split): a global batch that does not split
+    document masking, and train's gradient accumulation (Config.check_batch_split): a global batch that does not split
     evenly over `world_size` raises the ConfigError `zerodp train` would stop with."""
     t = cfg.train
     if t.micro_batch_size == "auto":  # searched by the planner: start from micro batch 1
@@ -29,7 +29,7 @@ def workload_from_config(cfg, world_size: int) -> Workload:
                     s.fsdp_defer_grad_reduce, s.reshard_after_forward,
                     int(zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)),
                     int(max(zero.get("stage3_max_reuse_distance", 1e9), zero.get("stage3_prefetch_bucket_size", 5e7))),
-                    s.grad_reduce_dtype)
+                    s.grad_reduce_dtype, cfg.data.document_masking, cfg.model.document_attention)
 
 
 def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_name: str = "cpu", *,

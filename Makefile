@@ -35,9 +35,11 @@ quickstart: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-# Both tiers: tests/unit (no process group, no training) and tests/distributed (real process groups).
+# Both tiers: tests/unit (no process group, no training) and tests/distributed (real process groups), as
+# TEST_JOBS pytest processes at once, each on its share of the files (tests/support/shards.py); 1: one.
+TEST_JOBS ?= 2
 test: install lint
-	$(PY) -m pytest -q tests
+	$(PY) -m tests.support.shards $(TEST_JOBS) -- -q tests
 
 # The unit tier alone: the inner loop while changing code.
 test-fast: install

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import gpu_skip_reason, pin_cpu
+from tests.support.shards import SHARD_ENV, keep
 
 # Tokenized-data cache shared by the test processes (and their children) of one session.
 os.environ.setdefault("ZERODP_CACHE", str(Path(tempfile.gettempdir()) / "zerodp-test-cache"))
@@ -17,6 +18,17 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "gpu(n): needs n GPUs (default 1); skipped on a machine with fewer. Its processes see the "
                    "machine's GPUs through tests.support.harness.gpu_env / run_distributed(device='cuda')")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under tests.support.shards (ZERODP_TEST_SHARD=k/n) keep this process's share of the files."""
+    value = os.environ.get(SHARD_ENV)
+    if not value:
+        return
+    files = keep(sorted({Path(str(item.path)) for item in items}), value)
+    kept = [item for item in items if Path(str(item.path)) in files]
+    config.hook.pytest_deselected(items=[item for item in items if Path(str(item.path)) not in files])
+    items[:] = kept
 
 
 def pytest_runtest_setup(item):

@@ -6,7 +6,10 @@ each against a plain single-process torch.optim.AdamW on the same global batches
 final parameters agree to 1e-5 after 8 steps. Each row runs twice: the tiny GPT-2 (tied head) and a
 small llama (tests.support.reference.LLAMA: RoPE, RMSNorm, SwiGLU, 4 query heads sharing 2 key/value heads,
 untied head). At world 2 each also runs with activation checkpointing, and the llama once more with
-strategy.name=auto: it runs what the planner chooses and follows the same trajectory. One process
+strategy.name=auto: it runs what the planner chooses and follows the same trajectory. The llama rows
+with accumulation 2 train on a prepared folder (documents of 3 to 45 tokens, so a 32-token sample
+packs several) with data.document_masking on: every micro batch carries doc_ids, attention stays
+inside each document and positions restart, under every strategy as in the reference. One process
 group per world size runs the whole row.
 
 The same runs check the planner's communication model (docs/memory_model.md, "Communication per
@@ -27,12 +30,15 @@ reaches 3e-5 for plain DDP at world 2 as well; it is reduction order, not a stra
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tests.support.harness import run_distributed
 from tests.support.reference import LLAMA, reference_run
+from tests.support.sampler_workers import write_prepared
 from zerodp.config import load_config
+from zerodp.data.batches import TokenBatches, load_tokens
 from zerodp.strategies.catalog import CATALOG
 from zerodp.trainer.loop import resolve_strategy
 
@@ -48,12 +54,21 @@ WARMUP = {"zero3": 2}  # steps before a strategy's traffic is the same every ste
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_strategy_matches_single_process_adamw(tiny, tmp_path, world):
     runs, expected = [], []  # expected: (label, strategy the run must report, accum, reference)
+    documents = np.random.default_rng(world).integers(3, 46, size=600).tolist()
+    prepared = write_prepared(tmp_path / "documents", documents, documents[:60])
     for model, arch in MODELS.items():
         for accum in (1, 2):
             over = tiny + arch + [f"train.global_batch_size={MICRO * world * accum}",
                                   f"train.micro_batch_size={MICRO}", f"train.max_steps={STEPS}",
                                   "optim.lr=1e-3", "optim.min_lr=1e-4"]
+            if model == "llama" and accum == 2:
+                over += [f"data.source={prepared}", "data.document_masking=true"]
+                cfg = load_config(None, over)
+                assert TokenBatches(load_tokens(cfg), cfg, "train").with_doc_ids  # the mask is on, not skipped
+                unmasked = reference_run(load_config(None, over + ["data.document_masking=false"]))[0]
             ref = reference_run(load_config(None, over))
+            if model == "llama" and accum == 2:  # and it changes the trajectory
+                assert max(abs(a - b) for a, b in zip(unmasked, ref[0])) > 1e-3, (unmasked, ref[0])
             for name in STRATEGIES:
                 runs.append({"overrides": over + [f"strategy.name={name}",
                                                   f"train.out_dir={tmp_path / f'{model}-{name}{accum}'}"]})

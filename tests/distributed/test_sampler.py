@@ -6,15 +6,14 @@ the run; and `zerodp data batch --decode` prints exactly the tokens each rank's 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.support.harness import ROOT, run_distributed
+from tests.support.harness import run_distributed
 from tests.support.reference import reference_run
 from tests.support.text_fixtures import stdlib_texts, train_bpe, write_jsonl
+from zerodp.cli.commands import main
 from zerodp.config import load_config
 from zerodp.data.prepare import PrepareOptions, prepare
 
@@ -35,7 +34,7 @@ def folders(tmp_path_factory):
     return root, tok, out
 
 
-def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny, folders):
+def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny, folders, capsys):
     from tokenizers import Tokenizer
 
     root, tok, (a, b) = folders
@@ -44,7 +43,7 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
             f"train.micro_batch_size={MICRO}", f"train.max_steps={STEPS}", "train.eval_every=2", "train.eval_batches=1",
             f"data.sources=[{{path: {a}, weight: 0.75}}, {{path: {b}, weight: 0.25}}]", f"train.out_dir={run}",
             f"checkpoint.every={STEPS}", "train.grad_noise_scale=true", "data.document_masking=true"]
-    ranks = run_distributed("tests.support.sampler_workers:record_batches", 2, {"overrides": over}, fresh=True)
+    ranks = run_distributed("tests.support.sampler_workers:record_batches", 2, {"overrides": over})
     assert ranks[0]["arity"] == ranks[1]["arity"] == [3]  # every micro batch carried doc_ids to the model
     expected, _ = reference_run(load_config(None, over))  # one process, each step's whole global batch
     losses = [ranks[0]["losses"][s] for s in sorted(ranks[0]["losses"])]
@@ -55,11 +54,12 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
     last = records[-1]
     assert last["val_loss"] == pytest.approx(0.75 * last["val_loss/code"] + 0.25 * last["val_loss/more"])
 
-    def cli(*args):
-        r = subprocess.run([sys.executable, "-m", "zerodp", *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                           timeout=300)
-        assert r.returncode == 0, r.stderr
-        return r.stdout
+    def cli(*args):  # the command line's own entry point, in this process
+        capsys.readouterr()
+        code = main(list(map(str, args)))
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return out
 
     # zerodp eval and plan --from-run read the mixture's run as any other
     result = json.loads(cli("eval", run, "--json", "--max-tokens", 2000, "--no-progress"))

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from zerodp.config import load_config
 from zerodp.models import build_model
-from zerodp.strategies import RunContext, make_strategy
 
 
 def batch(rank: int, block_size: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -18,29 +15,6 @@ def batch(rank: int, block_size: int, vocab: int) -> tuple[torch.Tensor, torch.T
     lengths = torch.tensor([cut[0], cut[1] - cut[0], block_size - cut[1]])
     doc_ids = torch.repeat_interleave(torch.arange(3), lengths)[None].expand(2, block_size).contiguous()
     return x[:, :-1], x[:, 1:], doc_ids
-
-
-def one_step(overrides: list[str], cases: list[tuple[str, bool]]) -> list[dict]:
-    """Per case (strategy, masked): the micro batch's loss through `strategy.model(x, y, doc_ids)`
-    (positional, through the DDP wrapper, the DeepSpeed engine or FSDP; without doc_ids if not masked),
-    the same model's loss unwrapped, and rank 0's weights after one step on every rank's batch."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = []
-    for name, masked in cases:
-        cfg = load_config(None, overrides + [f"strategy.name={name}"])
-        x, y, doc_ids = batch(rank, cfg.model.block_size, cfg.model.vocab_size)
-        args = (x, y, doc_ids) if masked else (x, y)
-        strategy = make_strategy(name)
-        ctx = RunContext(cfg, rank, world, rank, torch.device("cpu"), 1)
-        strategy.setup(build_model(cfg.model, device="meta"), ctx)
-        with strategy.autocast():
-            loss = strategy.model(*args)
-        strategy.backward(loss)
-        strategy.step(cfg.optim.lr)
-        alone = build_model(cfg.model, seed=cfg.train.seed)(*args)
-        weights = strategy.full_state_dict()
-        out.append({"loss": loss.item(), "alone": alone.item(), "weights": weights if rank == 0 else None})
-    return out
 
 
 def cuda_kernels(block_size: int = 256) -> dict:

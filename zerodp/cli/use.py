@@ -217,6 +217,7 @@ def run_generate(args) -> int:
 
     from zerodp.api import model_from_source
     from zerodp.convert import open_checkpoint
+    from zerodp.models.common import KVCache
     from zerodp.trainer.sample import next_token
 
     device = _device(args.device)
@@ -242,9 +243,17 @@ def run_generate(args) -> int:
     generator = torch.Generator().manual_seed(seed)
     idx = torch.tensor([prompt], dtype=torch.long)  # (1, T) on the CPU
     block = model.arch.block_size
+    # A key/value cache, as the end-of-run sample decodes (zerodp.trainer.sample): the prompt runs once,
+    # then each new token alone; past block_size tokens each one re-runs the last block_size from position 0.
+    kv = KVCache(model.arch.n_layer)
     with torch.no_grad(), _autocast(device, args.precision):
         for _ in range(args.max_new_tokens):
-            logits = model(idx[:, -block:].to(device))  # (1, T, V)
+            if kv is not None and idx.shape[1] > block:
+                kv = None
+            if kv is None:
+                logits = model(idx[:, -block:].to(device))  # (1, T, V)
+            else:
+                logits = model(idx[:, kv.pos:].to(device), cache=kv)
             idx = torch.cat([idx, next_token(logits[:, -1, :], generator, args.temperature, args.top_k)], dim=1)
     print(text.decode(idx[0, len(start):].tolist()))
     return 0

@@ -210,3 +210,38 @@ def test_a_malformed_line_and_a_missing_template_are_one_line_exit_2(tmp_path, m
                tmp_path / "t.jinja", "--val-fraction", 0) == 0
     one_line_error(capsys, run(good, "--chat", "--tokenizer", bare, "--out", tmp_path / "d", "--chat-template",
                                tmp_path / "missing.jinja"), r"--chat-template .*missing\.jinja not found")
+
+
+def test_a_samples_y_is_ignore_index_exactly_at_the_non_targets(tmp_path, model, tiny):
+    import torch
+    import torch.nn.functional as F
+
+    from zerodp.config import load_config
+    from zerodp.data.batches import IGNORE_INDEX, TokenBatches, load_tokens
+    from zerodp.models import build_model
+
+    folder, _, _ = model
+    out = tmp_path / "out"
+    assert run(write_rows(tmp_path / "chats.jsonl", ROWS * 6), "--chat", "--tokenizer", folder, "--out", out,
+               "--val-fraction", 0.2) == 0
+    cfg = load_config(None, tiny + [f"data.source={out}", "model.vocab_size=512", "model.block_size=16"])
+    T = cfg.model.block_size
+    for split in ("train", "val"):
+        tokens = np.fromfile(out / f"{split}.bin", dtype=json.loads((out / "meta.json").read_text())["dtype"])
+        mask = np.fromfile(out / f"{split}.mask", dtype=np.uint8)
+        data = TokenBatches(load_tokens(cfg), cfg, split)
+        n = data.samples_per_epoch()[0]
+        offsets = data.offsets(0, n)  # every sample of the epoch
+        x, y = data.rows(offsets)
+        for r, o in enumerate(offsets.tolist()):
+            assert x[r].tolist() == tokens[o : o + T].tolist()
+            want = np.where(mask[o + 1 : o + T + 1] == 1, tokens[o + 1 : o + T + 1].astype(np.int64), IGNORE_INDEX)
+            assert y[r].tolist() == want.tolist()
+        assert (y == IGNORE_INDEX).any() and (y != IGNORE_INDEX).any()
+    torch.manual_seed(0)
+    net = build_model(cfg.model).eval()
+    with torch.no_grad():
+        logits = net(x).float()
+        keep = y != IGNORE_INDEX
+        per_token = F.cross_entropy(logits[keep], y[keep], reduction="none")
+        assert torch.allclose(net(x, y), per_token.mean(), rtol=1e-5)  # the loss: the mean over targets only

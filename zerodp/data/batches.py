@@ -10,6 +10,10 @@ resuming needs only the step number.
 A micro batch is (x, y), or (x, y, doc_ids) when data.document_masking is on and every source has a
 document index (a `zerodp prepare` folder's train.idx/val.idx): doc_ids[r, t] numbers the documents
 within row r from 0 (zerodp.data.samples.doc_ids). The loop calls model(*micro_batch).
+
+A source with a loss mask (`zerodp prepare --chat`'s train.mask/val.mask: 1 where a token is a target)
+gives y[r, t] = IGNORE_INDEX where the token it holds, token t + 1 of the sample, is not a target:
+F.cross_entropy skips it (its ignore_index defaults to -100) and the loss is the mean over the targets.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from zerodp.data.samples import Blend, SampleIndex, doc_ids
 from zerodp.data.streams import Mixture, Part, PreparedTokens, describe_prepared, load_tokens, plural, prepared_meta
 from zerodp.errors import UserError
 
-__all__ = ["Located", "Mixture", "PreparedTokens", "Stream", "TokenBatches", "describe_prepared", "load_tokens",
-           "pin_batches", "plural", "prefetch", "prepared_meta"]  # train, sample and use import them here
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index: y where no loss is taken
+
+__all__ = ["IGNORE_INDEX", "Located", "Mixture", "PreparedTokens", "Stream", "TokenBatches", "describe_prepared",
+           "load_tokens", "pin_batches", "plural", "prefetch", "prepared_meta"]  # train, sample, use import them here
 
 
 @dataclass
@@ -41,6 +47,7 @@ class Stream:
     tokens: np.ndarray
     index: np.ndarray | None
     where: str
+    mask: np.ndarray | None = None  # uint8 per token, 1 = a target (a prepared folder's train.mask)
 
 
 @dataclass
@@ -70,9 +77,11 @@ def _streams(tokens, cfg: Config, split: str) -> list[Stream]:
                 raise UserError(f"{data.folder / 'val.bin'} has {len(stream)} tokens, fewer than "
                                 f"model.block_size+2={block + 2} for validation; run zerodp prepare with a "
                                 f"larger --val-fraction, or set train.eval_every=0")
+            read = split
             if split == "val" and not evaluating and len(stream) <= block + 1:
-                stream, index = data.split("train")  # eval is off, so val is never read: a short val.bin is no error
-            streams.append(Stream(p.name, p.weight, stream, index, str(data.folder / f"{split}.bin")))
+                read = "train"  # eval is off, so val is never read: a short val.bin is no error
+                stream, index = data.split(read)
+            streams.append(Stream(p.name, p.weight, stream, index, str(data.folder / f"{split}.bin"), data.mask(read)))
     for s in streams:
         if len(s.tokens) <= block + 1:
             raise UserError(f"the {split} split has {len(s.tokens)} tokens, fewer than model.block_size+2="
@@ -150,7 +159,8 @@ class TokenBatches:
 
     def rows(self, offsets: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, ...]:
         """(x, y), with doc_ids (x, y, doc_ids), of the sequences at `offsets`: x and y two views of one
-        (B, T+1) buffer, all in page-locked host memory with `pin`."""
+        (B, T+1) buffer (y a copy with IGNORE_INDEX at the non-targets where a source has a loss mask), all
+        in page-locked host memory with `pin`."""
         T = self.block
         offsets = np.asarray(offsets, dtype=np.int64)
         source = np.searchsorted(self.bases, offsets, side="right") - 1
@@ -160,14 +170,28 @@ class TokenBatches:
         t = torch.from_numpy(buf)
         if pin:
             t = t.pin_memory()
+        x, y = t[:, :-1], t[:, 1:]
+        if any(self.streams[d].mask is not None for d in np.unique(source).tolist()):
+            y = torch.from_numpy(self._masked_targets(buf, source, local))
+            y = y.pin_memory() if pin else y
         if not self.with_doc_ids:
-            return t[:, :-1], t[:, 1:]
+            return x, y
         ids = np.zeros((len(offsets), T), dtype=np.int64)
         for d in np.unique(source):
             mask = source == d
             ids[mask] = doc_ids(self.streams[d].index, local[mask], T)
         ids = torch.from_numpy(ids)
-        return t[:, :-1], t[:, 1:], ids.pin_memory() if pin else ids
+        return x, y, ids.pin_memory() if pin else ids
+
+    def _masked_targets(self, buf: np.ndarray, source: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """y of the rows in `buf` (B, T+1) with IGNORE_INDEX where the token y holds is no target: y[r, t] is
+        token t + 1 of the sample, so its mask is the mask's entry t + 1."""
+        T, y = self.block, buf[:, 1:].copy()
+        for r, (d, o) in enumerate(zip(source.tolist(), local.tolist())):
+            mask = self.streams[d].mask
+            if mask is not None:
+                y[r, np.asarray(mask[o + 1 : o + T + 1]) == 0] = IGNORE_INDEX
+        return y
 
     def rank_micro_batches(self, step: int, global_batch: int, micro: int, rank: int, world: int,
                            pin: bool = False):

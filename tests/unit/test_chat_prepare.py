@@ -245,3 +245,46 @@ def test_a_samples_y_is_ignore_index_exactly_at_the_non_targets(tmp_path, model,
         keep = y != IGNORE_INDEX
         per_token = F.cross_entropy(logits[keep], y[keep], reduction="none")
         assert torch.allclose(net(x, y), per_token.mean(), rtol=1e-5)  # the loss: the mean over targets only
+
+
+def test_the_mask_equals_transformers_assistant_masks_of_a_generation_template(tmp_path, tok_file):
+    """A template marking each assistant content and end-of-turn token with {% generation %}: transformers'
+    own return_assistant_tokens_mask, computed from those marks, equals the mask found from prefixes."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    template = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+                "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+                "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\n' }}"
+                "{% endfor %}")
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    shutil.copy(tok_file, folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tok_file)), chat_template=template)
+    assert run(write_rows(tmp_path / "c.jsonl", ROWS), "--chat", "--tokenizer", folder, "--out", tmp_path / "out",
+               "--val-fraction", 0) == 0
+    docs, _ = prepared(tmp_path / "out")
+    for row, (ids, mask) in zip(ROWS, docs):
+        want = hf.apply_chat_template(as_messages(row.get("messages", row)), return_assistant_tokens_mask=True)
+        assert ids == want["input_ids"] and mask == want["assistant_masks"] and sum(mask) > 0
+
+
+def test_a_mixture_masks_only_the_rows_of_its_masked_source(tmp_path, model, tiny):
+    from zerodp.config import load_config
+    from zerodp.data.batches import IGNORE_INDEX, TokenBatches, load_tokens
+
+    folder, _, _ = model
+    chat, text = tmp_path / "chat", tmp_path / "text"
+    assert run(write_rows(tmp_path / "c.jsonl", ROWS * 6), "--chat", "--tokenizer", folder, "--out", chat,
+               "--val-fraction", 0) == 0
+    (tmp_path / "t.txt").write_text("def f(x):\n    return x + 1\n" * 60)
+    assert run(tmp_path / "t.txt", "--tokenizer", folder, "--out", text, "--val-fraction", 0) == 0
+    cfg = load_config(None, tiny + [f"data.sources=[{{path: {chat}, weight: 1}}, {{path: {text}, weight: 1}}]",
+                                    "model.vocab_size=512", "model.block_size=16"])
+    data = TokenBatches(load_tokens(cfg), cfg, "train")
+    where = data.locate(0, 24)
+    _, y = data.rows(data.offsets(0, 24))
+    ignored = (y == IGNORE_INDEX).any(dim=1).numpy()
+    assert set(where.source[ignored].tolist()) == {0} and ignored.any()  # only chat rows have ignored targets
+    assert (where.source == 1).any()

@@ -194,12 +194,46 @@ class TokenBatches:
         return y
 
     def rank_micro_batches(self, step: int, global_batch: int, micro: int, rank: int, world: int,
-                           pin: bool = False):
+                           pin: bool = False) -> MicroBatches:
         """This rank's micro batches of global batch `step`: a list of (x, y) (with doc_ids: (x, y,
-        doc_ids)), each (micro, T)."""
+        doc_ids)), each (micro, T); where a source has a loss mask, with the `weights` that make the
+        step's loss the mean over the global batch's targets (`MicroBatches`)."""
         per_rank = global_batch // world
-        mine = self.offsets(step, global_batch)[rank * per_rank : (rank + 1) * per_rank]
-        return [self.rows(mine[i : i + micro], pin) for i in range(0, per_rank, micro)]
+        offsets = self.offsets(step, global_batch)
+        mine = offsets[rank * per_rank : (rank + 1) * per_rank]
+        out = MicroBatches(self.rows(mine[i : i + micro], pin) for i in range(0, per_rank, micro))
+        if any(s.mask is not None for s in self.streams):
+            counts = self.target_counts(offsets)  # every row of the global batch: no collective needed
+            total, parts = int(counts.sum()), global_batch // micro  # parts: world x accumulation
+            mine = counts[rank * per_rank : (rank + 1) * per_rank].reshape(-1, micro).sum(axis=1)
+            out.weights = [int(n) * parts / total if total else 0.0 for n in mine]
+        return out
+
+    def target_counts(self, offsets: np.ndarray) -> np.ndarray:
+        """The number of target tokens (y not IGNORE_INDEX) of each row at `offsets` (int64): T where its
+        source has no loss mask."""
+        T = self.block
+        offsets = np.asarray(offsets, dtype=np.int64)
+        source = np.searchsorted(self.bases, offsets, side="right") - 1
+        local = offsets - self.bases[source]
+        out = np.full(len(offsets), T, dtype=np.int64)
+        for r, (d, o) in enumerate(zip(source.tolist(), local.tolist())):
+            mask = self.streams[d].mask
+            if mask is not None:
+                out[r] = int(np.count_nonzero(np.asarray(mask[o + 1 : o + T + 1])))
+        return out
+
+
+class MicroBatches(list):
+    """One rank's micro batches of a step. `weights` (None: all 1): what the loop multiplies each micro
+    batch's loss (the mean over its targets) by, n_i * P / N for a micro batch of n_i targets, P = world
+    x accumulation micro batches in the step and N targets in the whole global batch. The strategies
+    average the P losses (1/accumulation, the mean over ranks), so the step minimises the sum of the
+    global batch's target losses over N, whatever the world size or split: a per-micro-batch mean would
+    weigh a micro batch of 3 targets as much as one of 300 (docs/fine_tuning.md). Each rank finds N from
+    the data alone: the global batch is a pure function of (seed, step)."""
+
+    weights: list[float] | None = None
 
 
 def pin_batches(device: torch.device | None) -> bool:

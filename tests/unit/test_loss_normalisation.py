@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from tests.conftest import TINY
 from tests.support.sampler_workers import write_prepared

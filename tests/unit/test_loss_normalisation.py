@@ -76,3 +76,20 @@ def test_without_a_mask_there_are_no_weights(tmp_path):
     folder = write_prepared(tmp_path / "plain", [40] * 50, [40] * 5)
     cfg = config(folder, 2)
     assert TokenBatches(load_tokens(cfg), cfg, "train").rank_micro_batches(0, G, 2, 0, 2).weights is None
+
+
+def test_rows_are_read_from_the_file_as_the_array_holds_them(tmp_path):
+    """RangeReader (pread from a memory-mapped file) gives the slice's values, for a memmap at an offset in
+    its file and for views of it (a raw stream's validation part, say), up to the array's end."""
+    from zerodp.data.batches import RangeReader
+
+    values = (np.arange(70_000) * 7919 % 65_000).astype(np.uint16)
+    path = tmp_path / "tokens.bin"
+    values.tofile(path)
+    whole = np.memmap(path, dtype=np.uint16, mode="r", offset=2 * 12_345)
+    for array in (whole, whole[1000:], whole[40_001:60_000]):
+        reader = RangeReader(array)
+        assert reader.fd is not None
+        for start, n in ((0, 129), (777, 1025), (len(array) - 50, 129)):
+            assert np.array_equal(reader.read(start, n), np.asarray(array[start : start + n])), (start, n)
+    assert np.array_equal(RangeReader(values).read(5, 10), values[5:15])  # not a file: sliced

@@ -8,8 +8,10 @@ small llama (tests.support.reference.LLAMA: RoPE, RMSNorm, SwiGLU, 4 query heads
 untied head). At world 2 each also runs with activation checkpointing, and the llama once more with
 strategy.name=auto: it runs what the planner chooses and follows the same trajectory. The llama rows
 with accumulation 2 train on a prepared folder (documents of 3 to 45 tokens, so a 32-token sample
-packs several) with data.document_masking on: every micro batch carries doc_ids, attention stays
-inside each document and positions restart, under every strategy as in the reference. One process
+packs several) with data.document_masking on and a loss mask: every micro batch carries doc_ids,
+attention stays inside each document and positions restart, and the step's loss is the sum of the
+global batch's target losses over its target count (zerodp.data.batches.MicroBatches' weights), under
+every strategy as in the reference's one forward over the global batch. One process
 group per world size runs the whole row.
 
 The same runs check the planner's communication model (docs/memory_model.md, "Communication per
@@ -55,7 +57,9 @@ WARMUP = {"zero3": 2}  # steps before a strategy's traffic is the same every ste
 def test_every_strategy_matches_single_process_adamw(tiny, tmp_path, world):
     runs, expected = [], []  # expected: (label, strategy the run must report, accum, reference)
     documents = np.random.default_rng(world).integers(3, 46, size=600).tolist()
-    prepared = write_prepared(tmp_path / "documents", documents, documents[:60])
+    # a loss mask too: documents whose share of targets runs from none to all, so that the micro batches'
+    # target counts are very uneven (tests/unit/test_loss_normalisation.py: a per-micro-batch mean differs)
+    prepared = write_prepared(tmp_path / "documents", documents, documents[:60], targets=[0.0, 1.0, 0.05, 0.6, 0.0])
     for model, arch in MODELS.items():
         for accum in (1, 2):
             over = tiny + arch + [f"train.global_batch_size={MICRO * world * accum}",

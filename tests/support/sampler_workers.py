@@ -13,10 +13,12 @@ EOT = 1
 
 
 def write_prepared(folder: Path, train_docs: list[int], val_docs: list[int], vocab: int = 256, seed: int = 0,
-                   sha256: str = "a" * 64, index: bool = True) -> Path:
+                   sha256: str = "a" * 64, index: bool = True, targets: list[float] | None = None) -> Path:
     """A prepared folder whose documents have the given lengths (separator included): document d of a
     split holds tokens 2 + (d + i) % (vocab - 2) and ends in EOT. `index=False`: as prepared before the
-    document index existed (no .idx files, none in meta.json)."""
+    document index existed (no .idx files, none in meta.json). `targets`: a loss mask (train.mask,
+    val.mask, as `zerodp prepare --chat` writes), document d's last round(targets[d % len] * length)
+    tokens its targets (0: none, as a conversation's user turns; 1: all)."""
     folder.mkdir(parents=True, exist_ok=True)
     splits = {}
     for split, lengths in (("train", train_docs), ("val", val_docs)):
@@ -24,6 +26,11 @@ def write_prepared(folder: Path, train_docs: list[int], val_docs: list[int], voc
         tokens = np.concatenate(docs).astype(np.uint16) if docs else np.zeros(0, np.uint16)
         tokens.tofile(folder / f"{split}.bin")
         splits[split] = {"file": f"{split}.bin", "documents": len(lengths), "tokens": len(tokens)}
+        if targets is not None:
+            masks = [(np.arange(n) >= n - round(targets[d % len(targets)] * n)).astype(np.uint8)
+                     for d, n in enumerate(lengths)]
+            (np.concatenate(masks) if masks else np.zeros(0, np.uint8)).tofile(folder / f"{split}.mask")
+            splits[split]["mask"] = {"file": f"{split}.mask", "dtype": "uint8", "of": "1 where a token is a target"}
         if index:
             np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64).tofile(folder / f"{split}.idx")
             splits[split]["index"] = {"file": f"{split}.idx", "dtype": "int64", "of": "each document's first token"}

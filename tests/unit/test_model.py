@@ -113,3 +113,24 @@ def test_every_registered_family_has_a_whole_torch_free_spec():
     for family in FAMILY_PACKAGES:
         assert type(build_model(ModelConfig(arch=family), device="meta")).__name__ == arch_of(
             ModelConfig(arch=family)).spec.MODEL
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_loss_is_the_mean_over_targets_and_zero_without_any(arch):
+    """y = IGNORE_INDEX (-100) where a loss mask says no target: the loss is the mean over the other
+    positions, and a micro batch without targets gives 0 and zero gradients, not F.cross_entropy's NaN."""
+    from zerodp.models.common import IGNORE_INDEX
+
+    over = {"llama": dict(arch="llama", n_head=4, n_kv_head=2, intermediate_size=64)}.get(arch, {})
+    cfg = ModelConfig(n_layer=2, n_head=over.pop("n_head", 2), n_embd=32, block_size=16, vocab_size=64, **over)
+    model = build_model(cfg, seed=3)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    keep = torch.rand(2, 16, generator=torch.Generator().manual_seed(2)) < 0.4
+    logits = model(x).float()
+    want = torch.nn.functional.cross_entropy(logits[keep], y[keep])
+    assert torch.allclose(model(x, torch.where(keep, y, IGNORE_INDEX)), want, atol=1e-6)
+    none = model(x, torch.full_like(y, IGNORE_INDEX))
+    none.backward()
+    assert none.item() == 0.0
+    assert all(p.grad is None or (torch.isfinite(p.grad).all() and not p.grad.any()) for p in model.parameters())

@@ -19,6 +19,7 @@ EXAMPLES = """examples:
   zerodp prepare docs/ notes.txt --tokenizer path/to/hf_model --out data/mine --val-fraction 0.05
   zerodp prepare shard-*.jsonl.gz --field content --tokenizer gpt2/tokenizer.json --out data/web
   zerodp prepare train-*.parquet --tokenizer path/to/hf_model --out data/pq --eot '</s>'
+  zerodp prepare chats.jsonl --chat --tokenizer path/to/hf_model --out data/sft --max-len 2049
 then train on the folder:  zerodp train configs/tiny.yaml data.source=data/mine (see docs/data.md)
 """
 
@@ -51,6 +52,21 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"text per encode batch, e.g. 1MiB or 4MB (default {BATCH_SIZE}); changes memory, not output")
     p.add_argument("--overwrite", action="store_true", help="replace DIR if it holds an earlier zerodp prepare")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = p.add_argument_group("conversations (--chat)", "rows of messages (or a prompt and a response) rendered by "
+                             "the tokenizer's chat template, with a loss mask (DIR/train.mask): see docs/data.md")
+    c.add_argument("--chat", action="store_true", help="the inputs are JSONL/Parquet rows of conversations")
+    c.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (default: the chat_template.jinja "
+                   "or tokenizer_config.json chat_template beside the tokenizer.json)")
+    c.add_argument("--messages-field", default="messages", help="field with the list of {role, content} messages "
+                   "(default: messages)")
+    c.add_argument("--prompt-field", default="prompt", help="field of a row's user prompt (default: prompt)")
+    c.add_argument("--response-field", default="response", help="field of a row's response (default: response)")
+    c.add_argument("--train-on", default="assistant", choices=("assistant", "last", "all"),
+                   help="the loss's targets: every assistant turn (default), the last one only, or every token")
+    c.add_argument("--max-len", type=int, default=None, metavar="TOKENS",
+                   help="a conversation longer than this many tokens is dropped or truncated (--too-long)")
+    c.add_argument("--too-long", default="drop", choices=("drop", "truncate"),
+                   help="what --max-len does to a longer conversation: drop it (default) or keep its first tokens")
     p.set_defaults(func=run_prepare)
     return p
 
@@ -63,8 +79,13 @@ def run_prepare(args) -> int:
                           val_fraction=args.val_fraction, seed=args.seed, eot=args.eot,
                           special_tokens=not args.no_special_tokens, overwrite=args.overwrite,
                           progress=not args.no_progress,
-                          batch_bytes=parse_bytes(args.batch_size, "--batch-size", example=BATCH_SIZE))
+                          batch_bytes=parse_bytes(args.batch_size, "--batch-size", example=BATCH_SIZE),
+                          chat=args.chat, chat_template=args.chat_template, messages_field=args.messages_field,
+                          prompt_field=args.prompt_field, response_field=args.response_field,
+                          train_on=args.train_on, max_len=args.max_len, too_long=args.too_long)
     meta = prepare(opts)
+    if opts.chat:
+        return _chat_summary(meta, args.out)
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
     seconds = meta["seconds"]
     print(f"prepared {plural(meta['documents'], 'document')} ({size_text(meta['bytes'])} in "
@@ -81,4 +102,19 @@ def run_prepare(args) -> int:
     if va["documents"] == 0 and meta["val_fraction"] > 0:
         print(f"zerodp: note: no document fell in val.bin (--val-fraction {meta['val_fraction']}, "
               f"{plural(meta['documents'], 'document')}); raise it for a validation split", file=sys.stderr)
+    return 0
+
+
+def _chat_summary(meta: dict, out: str) -> int:
+    tr, va, chat = meta["splits"]["train"], meta["splits"]["val"], meta["chat"]
+    skipped = chat["skipped"]
+    why = {"not_a_conversation": "not a conversation", "refused_by_template": "refused by the chat template",
+           "too_long": f"longer than --max-len {chat['max_len']}"}
+    left = [f"{n:,} {why[k]}" for k, n in skipped.items() if n]
+    left += [f"{chat['truncated']:,} truncated to --max-len {chat['max_len']}"] if chat["truncated"] else []
+    print(f"prepared {plural(meta['documents'], 'conversation')} of {plural(chat['rows'], 'row')} into {out}: "
+          f"train {plural(tr['documents'], 'conversation')} / {plural(tr['tokens'], 'token')} "
+          f"({tr['targets']:,} targets), val {plural(va['documents'], 'conversation')} / "
+          f"{plural(va['tokens'], 'token')} ({va['targets']:,} targets); train on {chat['train_on']}; "
+          f"{'; '.join(left) if left else 'no row skipped'} ({meta['seconds']:.1f} s)")
     return 0

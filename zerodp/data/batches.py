@@ -10,10 +10,16 @@ resuming needs only the step number.
 A micro batch is (x, y), or (x, y, doc_ids) when data.document_masking is on and every source has a
 document index (a `zerodp prepare` folder's train.idx/val.idx): doc_ids[r, t] numbers the documents
 within row r from 0 (zerodp.data.samples.doc_ids). The loop calls model(*micro_batch).
+
+A source with a loss mask (`zerodp prepare --chat`'s train.mask/val.mask: 1 where a token is a target)
+gives y[r, t] = IGNORE_INDEX where the token it holds, token t + 1 of the sample, is not a target:
+F.cross_entropy skips it (its ignore_index defaults to -100) and the loss is the mean over the targets.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -28,8 +34,10 @@ from zerodp.data.samples import Blend, SampleIndex, doc_ids
 from zerodp.data.streams import Mixture, Part, PreparedTokens, describe_prepared, load_tokens, plural, prepared_meta
 from zerodp.errors import UserError
 
-__all__ = ["Located", "Mixture", "PreparedTokens", "Stream", "TokenBatches", "describe_prepared", "load_tokens",
-           "pin_batches", "plural", "prefetch", "prepared_meta"]  # train, sample and use import them here
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index: y where no loss is taken
+
+__all__ = ["IGNORE_INDEX", "Located", "Mixture", "PreparedTokens", "Stream", "TokenBatches", "describe_prepared",
+           "load_tokens", "pin_batches", "plural", "prefetch", "prepared_meta"]  # train, sample, use import them here
 
 
 @dataclass
@@ -41,6 +49,7 @@ class Stream:
     tokens: np.ndarray
     index: np.ndarray | None
     where: str
+    mask: np.ndarray | None = None  # uint8 per token, 1 = a target (a prepared folder's train.mask)
 
 
 @dataclass
@@ -70,9 +79,11 @@ def _streams(tokens, cfg: Config, split: str) -> list[Stream]:
                 raise UserError(f"{data.folder / 'val.bin'} has {len(stream)} tokens, fewer than "
                                 f"model.block_size+2={block + 2} for validation; run zerodp prepare with a "
                                 f"larger --val-fraction, or set train.eval_every=0")
+            read = split
             if split == "val" and not evaluating and len(stream) <= block + 1:
-                stream, index = data.split("train")  # eval is off, so val is never read: a short val.bin is no error
-            streams.append(Stream(p.name, p.weight, stream, index, str(data.folder / f"{split}.bin")))
+                read = "train"  # eval is off, so val is never read: a short val.bin is no error
+                stream, index = data.split(read)
+            streams.append(Stream(p.name, p.weight, stream, index, str(data.folder / f"{split}.bin"), data.mask(read)))
     for s in streams:
         if len(s.tokens) <= block + 1:
             raise UserError(f"the {split} split has {len(s.tokens)} tokens, fewer than model.block_size+2="
@@ -94,6 +105,8 @@ class TokenBatches:
                       for d, s in enumerate(self.streams)]
         self.blend = Blend([s.weight for s in self.streams]) if len(self.streams) > 1 else None
         self.bases = np.cumsum([0] + [len(s.tokens) for s in self.streams[:-1]]).astype(np.int64)
+        self._readers = [RangeReader(s.tokens) for s in self.streams]
+        self._mask_readers = [RangeReader(s.mask) if s.mask is not None else None for s in self.streams]
         masking = cfg.data.document_masking if document_masking is None else document_masking
         lacking = [s for s in self.streams if s.index is None]
         self.with_doc_ids = bool(masking) and not lacking
@@ -116,6 +129,7 @@ class TokenBatches:
         for d, s in enumerate(self.streams):
             view = object.__new__(TokenBatches)
             view.__dict__.update(self.__dict__, streams=[s], index=[self.index[d]], blend=None,
+                                 _readers=[self._readers[d]], _mask_readers=[self._mask_readers[d]],
                                  bases=np.zeros(1, dtype=np.int64))
             out.append((s.name, view))
         return out
@@ -150,32 +164,112 @@ class TokenBatches:
 
     def rows(self, offsets: np.ndarray, pin: bool = False) -> tuple[torch.Tensor, ...]:
         """(x, y), with doc_ids (x, y, doc_ids), of the sequences at `offsets`: x and y two views of one
-        (B, T+1) buffer, all in page-locked host memory with `pin`."""
+        (B, T+1) buffer (y a copy with IGNORE_INDEX at the non-targets where a source has a loss mask), all
+        in page-locked host memory with `pin`."""
         T = self.block
         offsets = np.asarray(offsets, dtype=np.int64)
         source = np.searchsorted(self.bases, offsets, side="right") - 1
         local = offsets - self.bases[source]
-        buf = np.stack([np.asarray(self.streams[d].tokens[o : o + T + 1], dtype=np.int64)
+        buf = np.stack([self._readers[d].read(o, T + 1).astype(np.int64)
                         for d, o in zip(source.tolist(), local.tolist())])  # (B, T+1)
         t = torch.from_numpy(buf)
         if pin:
             t = t.pin_memory()
+        x, y = t[:, :-1], t[:, 1:]
+        if any(self.streams[d].mask is not None for d in np.unique(source).tolist()):
+            y = torch.from_numpy(self._masked_targets(buf, source, local))
+            y = y.pin_memory() if pin else y
         if not self.with_doc_ids:
-            return t[:, :-1], t[:, 1:]
+            return x, y
         ids = np.zeros((len(offsets), T), dtype=np.int64)
         for d in np.unique(source):
             mask = source == d
             ids[mask] = doc_ids(self.streams[d].index, local[mask], T)
         ids = torch.from_numpy(ids)
-        return t[:, :-1], t[:, 1:], ids.pin_memory() if pin else ids
+        return x, y, ids.pin_memory() if pin else ids
+
+    def _masked_targets(self, buf: np.ndarray, source: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """y of the rows in `buf` (B, T+1) with IGNORE_INDEX where the token y holds is no target: y[r, t] is
+        token t + 1 of the sample, so its mask is the mask's entry t + 1."""
+        T, y = self.block, buf[:, 1:].copy()
+        for r, (d, o) in enumerate(zip(source.tolist(), local.tolist())):
+            mask = self.streams[d].mask
+            if mask is not None:
+                y[r, self._mask_readers[d].read(o + 1, T) == 0] = IGNORE_INDEX
+        return y
 
     def rank_micro_batches(self, step: int, global_batch: int, micro: int, rank: int, world: int,
-                           pin: bool = False):
+                           pin: bool = False) -> MicroBatches:
         """This rank's micro batches of global batch `step`: a list of (x, y) (with doc_ids: (x, y,
-        doc_ids)), each (micro, T)."""
+        doc_ids)), each (micro, T); where a source has a loss mask, with the `weights` that make the
+        step's loss the mean over the global batch's targets (`MicroBatches`)."""
         per_rank = global_batch // world
-        mine = self.offsets(step, global_batch)[rank * per_rank : (rank + 1) * per_rank]
-        return [self.rows(mine[i : i + micro], pin) for i in range(0, per_rank, micro)]
+        offsets = self.offsets(step, global_batch)
+        mine = offsets[rank * per_rank : (rank + 1) * per_rank]
+        out = MicroBatches(self.rows(mine[i : i + micro], pin) for i in range(0, per_rank, micro))
+        if any(s.mask is not None for s in self.streams):
+            counts = self.target_counts(offsets)  # every row of the global batch: no collective needed
+            total, parts = int(counts.sum()), global_batch // micro  # parts: world x accumulation
+            mine = counts[rank * per_rank : (rank + 1) * per_rank].reshape(-1, micro).sum(axis=1)
+            out.weights = [int(n) * parts / total if total else 0.0 for n in mine]
+        return out
+
+    def target_counts(self, offsets: np.ndarray) -> np.ndarray:
+        """The number of target tokens (y not IGNORE_INDEX) of each row at `offsets` (int64): T where its
+        source has no loss mask."""
+        T = self.block
+        offsets = np.asarray(offsets, dtype=np.int64)
+        source = np.searchsorted(self.bases, offsets, side="right") - 1
+        local = offsets - self.bases[source]
+        out = np.full(len(offsets), T, dtype=np.int64)
+        for r, (d, o) in enumerate(zip(source.tolist(), local.tolist())):
+            mask = self.streams[d].mask
+            if mask is not None:
+                out[r] = int(np.count_nonzero(self._mask_readers[d].read(o + 1, T)))
+        return out
+
+
+class RangeReader:
+    """Reads elements [start, start + n) of a token or mask array. For a memory-mapped file, with
+    os.pread from the file rather than through the mapping: a slice of the mapping faults in whole
+    page-cache folios around each row (about 1.5 MB a row of 1,025 tokens, measured by
+    benchmarks/data_index.py), which then count in the process's RSS; pread copies only the row. Other
+    arrays are sliced."""
+
+    def __init__(self, array: np.ndarray):
+        self.array, self.fd = array, None
+        mm = getattr(array, "_mmap", None)
+        if isinstance(array, np.memmap) and mm is not None and array.filename and array.flags.c_contiguous:
+            # the file byte of element 0: where numpy's mapping starts in the file plus how far into the
+            # mapping this array (or view of it) starts
+            mapped = np.frombuffer(mm, dtype=np.uint8)
+            start = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY
+            self.first = start + (array.ctypes.data - mapped.ctypes.data)
+            self.fd = os.open(array.filename, os.O_RDONLY)
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        if self.fd is None:
+            return np.asarray(self.array[start : start + n])
+        n = max(0, min(n, len(self.array) - start))
+        size = self.array.dtype.itemsize
+        data = os.pread(self.fd, n * size, self.first + start * size)
+        return np.frombuffer(data, dtype=self.array.dtype)
+
+    def __del__(self):
+        if self.fd is not None:
+            os.close(self.fd)
+
+
+class MicroBatches(list):
+    """One rank's micro batches of a step. `weights` (None: all 1): what the loop multiplies each micro
+    batch's loss (the mean over its targets) by, n_i * P / N for a micro batch of n_i targets, P = world
+    x accumulation micro batches in the step and N targets in the whole global batch. The strategies
+    average the P losses (1/accumulation, the mean over ranks), so the step minimises the sum of the
+    global batch's target losses over N, whatever the world size or split: a per-micro-batch mean would
+    weigh a micro batch of 3 targets as much as one of 300 (docs/fine_tuning.md). Each rank finds N from
+    the data alone: the global batch is a pure function of (seed, step)."""
+
+    weights: list[float] | None = None
 
 
 def pin_batches(device: torch.device | None) -> bool:

@@ -84,6 +84,18 @@ class PrepareOptions:
     """A progress bar on stderr (on a terminal only) with MB/s and tokens."""
     batch_bytes: int = BATCH_BYTES
     """Text per encode_batch call; memory, never the output, depends on it."""
+    chat: bool = False
+    """Rows are conversations rendered by the chat template, with a loss mask (zerodp.data.prepare_chat)."""
+    chat_template: str | None = None
+    """A Jinja file (or a tokenizer_config.json) in place of the tokenizer's own chat template."""
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    train_on: str = "assistant"
+    """The mask's targets: 'assistant' (every assistant turn), 'last' (the last one), 'all' (every token)."""
+    max_len: int | None = None
+    """A conversation of more tokens is dropped or truncated (too_long); None: no limit."""
+    too_long: str = "drop"
 
 
 @dataclass
@@ -215,6 +227,10 @@ def command_line(opts: PrepareOptions) -> str:
 def prepare(opts: PrepareOptions) -> dict:
     """Tokenize `opts.inputs` into `opts.out` (see the module docstring); return the meta.json written.
     Every check that needs no encoding (tokenizer, inputs, Parquet columns, output folder) comes first."""
+    if opts.chat:
+        from zerodp.data.prepare_chat import prepare_chat
+
+        return prepare_chat(opts, _not_replaceable)
     if not 0.0 <= opts.val_fraction < 1.0:
         raise UserError(f"--val-fraction {opts.val_fraction} must be in [0, 1); 0 writes an empty val.bin")
     if opts.batch_bytes < 1:

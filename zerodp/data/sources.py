@@ -29,9 +29,9 @@ class Source:
     documents: int = 0
 
 
-def find_sources(inputs: list[str], field_name: str) -> list[Source]:
+def find_sources(inputs: list[str], field_name: str | None) -> list[Source]:
     """Every input file in document order; UserError for a missing input, a folder without inputs, an
-    empty named file or a Parquet file without the text column."""
+    empty named file or a Parquet file without the text column `field_name` (None: not checked)."""
     sources = []
     for given in inputs:
         if given == "builtin":
@@ -54,7 +54,7 @@ def find_sources(inputs: list[str], field_name: str) -> list[Source]:
     for s in sources:
         if s.given and s.size == 0:
             raise UserError(f"{s.path} is empty; give files that hold documents")
-        if s.kind == "parquet":
+        if s.kind == "parquet" and field_name is not None:
             _check_parquet(s.path, field_name)
     return sources
 
@@ -170,3 +170,58 @@ def _parquet_documents(src: Source, column: str) -> Iterator[tuple[str, int]]:
             done += read
             yield text, read
 
+
+
+def records(src: Source, columns: tuple[str, ...]) -> Iterator[tuple[object, str, int]]:
+    """(row, where: 'line N' / 'row N', bytes of the file read since the row before) for each row of a
+    JSONL or Parquet `src`: a JSONL line's JSON value, a Parquet row's `columns` (those it has) as a dict.
+    UserError for a line that is not JSON (naming the file and line) or a file that cannot be read."""
+    if src.kind == "parquet":
+        yield from _parquet_records(src, columns)
+        return
+    with open(src.path, "rb") as raw:
+        try:
+            stream, last = _open(src.path, src.compression, raw), 0
+            for n, line in enumerate(stream, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+                    raise UserError(f"{src.path}, line {n}: not JSON ({why}); each line must be one JSON "
+                                    f"object") from None
+                pos = raw.tell()
+                yield obj, f"line {n}", pos - last
+                last = pos
+        except UserError:
+            raise
+        except (EOFError, OSError, ValueError) as e:
+            what = f"is not valid {src.compression}" if src.compression else "could not be read"
+            raise UserError(f"{src.path} {what} ({e}); check the file") from None
+        except Exception as e:
+            if type(e).__name__ != "ZstdError":
+                raise
+            raise UserError(f"{src.path} is not valid zstd ({e}); check the file") from None
+
+
+def _parquet_records(src: Source, columns: tuple[str, ...]) -> Iterator[tuple[object, str, int]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        f = pq.ParquetFile(src.path)
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{src.path} is not a Parquet file pyarrow can read ({str(e).splitlines()[0]})") from None
+    have = [c for c in columns if c in f.schema_arrow.names]
+    if not have:
+        raise UserError(f"{src.path} has none of the columns {', '.join(columns)} (its columns: "
+                        f"{', '.join(f.schema_arrow.names)}); name them with --messages-field, --prompt-field "
+                        f"and --response-field")
+    total, done, row = max(f.metadata.num_rows, 1), 0, 0
+    for batch in f.iter_batches(batch_size=1024, columns=have):
+        for obj in batch.to_pylist():
+            row += 1
+            read = src.size * row // total - done
+            done += read
+            yield obj, f"row {row}", read

@@ -132,6 +132,8 @@ class PreparedTokens:
     val: np.ndarray
     train_index: np.ndarray | None = None
     val_index: np.ndarray | None = None
+    train_mask: np.ndarray | None = None
+    val_mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.train) + len(self.val)
@@ -139,6 +141,10 @@ class PreparedTokens:
     def split(self, name: str) -> tuple[np.ndarray, np.ndarray | None]:
         """(tokens, document index) of split `name`."""
         return (self.train, self.train_index) if name == "train" else (self.val, self.val_index)
+
+    def mask(self, name: str) -> np.ndarray | None:
+        """Split `name`'s loss mask (uint8 per token, 1 = a target: `zerodp prepare --chat`), or None."""
+        return self.train_mask if name == "train" else self.val_mask
 
 
 @dataclass
@@ -190,6 +196,18 @@ def _index_file(folder: Path, meta: dict, split: str, tokens: int) -> np.ndarray
     return index
 
 
+def _mask_file(folder: Path, meta: dict, split: str, tokens: int) -> np.ndarray | None:
+    """The split's loss mask (meta.json's splits.<split>.mask), or None when meta.json names none."""
+    about = ((meta.get("splits") or {}).get(split) or {}).get("mask")
+    if not isinstance(about, dict):
+        return None
+    path = folder / str(about.get("file"))
+    if not path.is_file() or path.stat().st_size != tokens:
+        raise UserError(f"{path}, the loss mask {folder / 'meta.json'} lists, is missing or not one byte per token "
+                        f"of {split}.bin ({tokens:,} tokens); run zerodp prepare again")
+    return np.memmap(path, dtype=np.uint8, mode="r") if tokens else np.zeros(0, dtype=np.uint8)
+
+
 def _load_prepared(cfg: Config, folder: Path, meta: dict) -> PreparedTokens:
     vocab = int(meta.get("vocab_size") or 0)
     if cfg.model.vocab_size < vocab:
@@ -202,7 +220,8 @@ def _load_prepared(cfg: Config, folder: Path, meta: dict) -> PreparedTokens:
                         f"run zerodp prepare again")
     train, val = (_split_file(folder, meta, s, np.dtype(dtype)) for s in ("train", "val"))
     data = PreparedTokens(folder, meta, train, val, _index_file(folder, meta, "train", len(train)),
-                          _index_file(folder, meta, "val", len(val)))
+                          _index_file(folder, meta, "val", len(val)), _mask_file(folder, meta, "train", len(train)),
+                          _mask_file(folder, meta, "val", len(val)))
     if len(data.train) == 0:
         raise UserError(f"{folder / 'train.bin'} is empty; prepare more documents")
     for split in (data.train, data.val):

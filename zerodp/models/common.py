@@ -22,6 +22,9 @@ from torch.utils.checkpoint import checkpoint
 
 from zerodp.models import docmask
 
+IGNORE_INDEX = -100
+"""A target that is not one (a loss mask's 0): F.cross_entropy's default ignore_index."""
+
 INIT_BLOCK = 1 << 20
 """Elements per independently seeded block of a parameter's initial values."""
 
@@ -159,7 +162,12 @@ class DecoderLM(nn.Module):
         logits = self.head(x)  # (B, T, V)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        # The mean over the target tokens: y is IGNORE_INDEX (-100) where a loss mask says the token is no
+        # target. Summed and divided by the count (at least 1, without a host sync) rather than
+        # F.cross_entropy's mean, which is NaN for a micro batch without targets: that one adds 0.
+        targets = targets.reshape(-1)
+        total = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets, reduction="sum")
+        return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8, top_k: int = 50) -> torch.Tensor:

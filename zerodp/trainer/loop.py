@@ -294,11 +294,14 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
     ranks' waiting hides inside the backward's gradient reduction."""
     loss_sum = torch.zeros((), device=device)
     forward = Stopwatch(device)
+    weights = getattr(micro_batches, "weights", None)  # loss masks: the global batch's target mean
     for i, batch in enumerate(micro_batches):
         batch = model_inputs(batch, device)
         with strategy.micro_step(is_last=i == len(micro_batches) - 1):
             with strategy.autocast(), forward:
                 loss = strategy.model(*batch)
+                if weights is not None:
+                    loss = loss * weights[i]  # a Python float: no host sync
             strategy.backward(loss)
         loss_sum += loss.detach().float()
     local_grad_sq = getattr(strategy, "local_grad_sq", None)  # optional; before step(): the loss scale

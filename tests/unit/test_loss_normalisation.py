@@ -59,7 +59,9 @@ def test_uneven_micro_batches_are_what_the_test_runs_on(folder):
     data = TokenBatches(load_tokens(cfg), cfg, "train")
     counts = data.target_counts(data.offsets(0, G))
     assert counts.min() <= 4 and counts.max() >= 20, counts
-    assert data.rank_micro_batches(0, G, 1, 0, 1).weights == pytest.approx(list(counts * G / counts.sum()))
+    batches = data.rank_micro_batches(0, G, 1, 0, 1)
+    assert batches.weights == pytest.approx(list(counts * G / counts.sum()))
+    assert batches.targets == counts.sum() == sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
 
 
 def test_a_global_batch_without_targets_weighs_nothing(tmp_path):

@@ -212,6 +212,7 @@ class TokenBatches:
             total, parts = int(counts.sum()), global_batch // micro  # parts: world x accumulation
             mine = counts[rank * per_rank : (rank + 1) * per_rank].reshape(-1, micro).sum(axis=1)
             out.weights = [int(n) * parts / total if total else 0.0 for n in mine]
+            out.targets = total
         return out
 
     def target_counts(self, offsets: np.ndarray) -> np.ndarray:
@@ -270,6 +271,8 @@ class MicroBatches(list):
     the data alone: the global batch is a pure function of (seed, step)."""
 
     weights: list[float] | None = None
+    targets: int | None = None
+    """N, the target tokens of the whole global batch (metrics.jsonl's target_tokens)."""
 
 
 def pin_batches(device: torch.device | None) -> bool:

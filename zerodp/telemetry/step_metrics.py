@@ -37,6 +37,9 @@ class Pending:
     local_grad_sq: torch.Tensor | None = None
     """This rank's mean micro-batch gradient norm squared before the reduction (strategy.local_grad_sq,
     zerodp.telemetry.grad_noise), a 0-d tensor; None where not measured."""
+    targets: int | None = None
+    """The target tokens of the step's whole global batch, where a loss mask says which are (the loss is
+    their mean); None without a mask (every token is one)."""
 
 
 def fetch_interval(pending: list[Pending], request_code: float, interval_start: float | None = None):
@@ -102,6 +105,7 @@ class Throughput:
             "grad_norm": per_rank[self.rank][3], "tokens": self.tokens, **self.rate(wall), "wall_step_s": wall,
             "step_time_s": times[self.rank], "max_step_time_s": times[slowest], "slowest_rank": slowest,
             "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
+            **({"target_tokens": p.targets} if p.targets is not None else {}),
         }
 
     def summary(self, records: list[dict], straggler_wait_s: float, save_s: float) -> dict:

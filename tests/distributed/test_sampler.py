@@ -1,5 +1,6 @@
 """The sampler in a real run: training on a mixture of two prepared folders at world 2, with document
-masking (doc_ids from the folders' indexes), follows one process on the same global batches;
+masking (doc_ids from the folders' indexes), follows one process on the same global batches, and resumed
+at world 1 continues the same epoch order (the trajectory of one uninterrupted process);
 metrics.jsonl records epochs and each source's validation loss; `zerodp eval` and `plan --from-run` read
 the run; and `zerodp data batch --decode` prints exactly the tokens each rank's loop handed the model."""
 
@@ -42,7 +43,8 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
     over = [*[o for o in tiny if not o.startswith("model.vocab_size=")], f"train.global_batch_size={G}",
             f"train.micro_batch_size={MICRO}", f"train.max_steps={STEPS}", "train.eval_every=2", "train.eval_batches=1",
             f"data.sources=[{{path: {a}, weight: 0.75}}, {{path: {b}, weight: 0.25}}]", f"train.out_dir={run}",
-            f"checkpoint.every={STEPS}", "train.grad_noise_scale=true", "data.document_masking=true"]
+            f"checkpoint.every={STEPS}", "train.grad_noise_scale=true", "data.document_masking=true",
+            "optim.decay_steps=10"]  # the schedule of a run continued past max_steps (the resume below)
     ranks = run_distributed("tests.support.sampler_workers:record_batches", 2, {"overrides": over})
     assert ranks[0]["arity"] == ranks[1]["arity"] == [3]  # every micro batch carried doc_ids to the model
     expected, _ = reference_run(load_config(None, over))  # one process, each step's whole global batch
@@ -77,3 +79,14 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
             got = ranks[row["rank"]]["rows"][step][row["micro"]][row["row"] % MICRO]  # what that rank's loop received
             assert row["text"] == tokenizer.decode(got, skip_special_tokens=False)
             assert row["tokens"][1] - row["tokens"][0] == len(got)
+
+    # Resumed from step STEPS's checkpoint at another world size (1: 4 accumulation steps of 2), the run
+    # trains the samples the epoch order puts next: the uninterrupted trajectory, step for step.
+    more = [o for o in over if not o.startswith(("train.max_steps=", "checkpoint.every="))]
+    more += [f"train.max_steps={STEPS + 2}", "checkpoint.every=0"]
+    resumed = run_distributed("tests.support.sampler_workers:record_batches", 1, {"overrides": more, "fresh": False})
+    got = resumed[0]["losses"]
+    assert sorted(got) == [STEPS + 1, STEPS + 2], sorted(got)
+    whole, _ = reference_run(load_config(None, more))
+    assert np.allclose([got[s] for s in sorted(got)], whole[STEPS:], atol=1e-5), (got, whole)
+    assert np.allclose(whole[:STEPS], expected, atol=1e-6)  # the same run's first steps, as checked above

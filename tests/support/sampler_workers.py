@@ -43,9 +43,10 @@ def write_prepared(folder: Path, train_docs: list[int], val_docs: list[int], voc
     return folder
 
 
-def record_batches(overrides: list[str]) -> dict:
-    """Train per `overrides` and return the tokens of every micro batch this rank's loop handed the model,
-    by step, and the run's losses: the loop's own batches, recorded where it calls the model."""
+def record_batches(overrides: list[str], fresh: bool = True) -> dict:
+    """Train per `overrides` (`fresh`: from step 0, else resuming from the run's latest checkpoint) and
+    return the tokens of every micro batch this rank's loop handed the model, by step, and the run's
+    losses: the loop's own batches, recorded where it calls the model."""
     from zerodp.config import load_config
     from zerodp.trainer import loop
 
@@ -68,7 +69,7 @@ def record_batches(overrides: list[str]) -> dict:
 
     loop.model_inputs = recording
     try:
-        summary = loop.train(cfg, fresh=True)
+        summary = loop.train(cfg, fresh=fresh)
     finally:
         loop.model_inputs = real
     return {"rows": seen, "losses": summary["losses"], "arity": sorted(arity)}

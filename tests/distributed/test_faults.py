@@ -72,7 +72,10 @@ def test_sigkill_at_random_moments_restarts_bit_identical(tiny, tmp_path):
         os.kill(victim, signal.SIGKILL)
         log = agent.communicate(timeout=300)[0].decode(errors="replace")
         assert agent.returncode == 0, log[-3000:]
-        assert "resuming from" in log, f"trial {trial}: no restart seen\n{log[-3000:]}"
+        # The workers started twice: resuming from the newest checkpoint, or from step 0 where the kill
+        # landed before the first save was complete (a kill mid-save leaves no checkpoint behind).
+        starts = log.count("resuming from") + log.count("no checkpoint in")
+        assert starts >= 2, f"trial {trial}: no restart seen\n{log[-3000:]}"
         got = final_weights(out)
         assert got.keys() == want.keys()
         for name in want:

@@ -28,7 +28,6 @@ from pathlib import Path
 
 SHARD_ENV = "ZERODP_TEST_SHARD"
 DEFAULT_SECONDS = 5
-UNIT_SECONDS = 30  # the unit tier, which runs in share 0, while the other share runs
 SECONDS = {
     "test_readme.py": 250,
     "test_faults.py": 198,
@@ -78,7 +77,7 @@ SECONDS = {
 def assignment(files: list[str], shards: int) -> dict[str, int]:
     """file -> share index: longest first, each to the share with the fewest seconds so far (ties: the
     lower index), so the assignment depends only on the file names and the table."""
-    load = [float(UNIT_SECONDS)] + [0.0] * (shards - 1)  # share 0 also runs the unit tier
+    load = [0.0] * shards
     out = {}
     for f in sorted(files, key=lambda f: (-SECONDS.get(f, DEFAULT_SECONDS), f)):
         k = min(range(shards), key=lambda i: (load[i], i))

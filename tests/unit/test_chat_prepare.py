@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
+from tests.support.cli_checks import one_line_error
 from tests.support.text_fixtures import EOT, train_bpe
 from zerodp.cli.commands import main
 
@@ -181,16 +182,6 @@ def test_bad_rows_are_counted_and_reported(tmp_path, model, capsys):
     assert [len(ids) for ids, _ in docs] == [min(n, limit) for n in lengths]
     full = [hf.apply_chat_template(as_messages(r.get("messages", r)), return_dict=False) for r in ROWS]
     assert [ids for ids, _ in docs] == [f[:limit] for f in full]
-
-
-def one_line_error(capsys, code, pattern):
-    import re
-
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert re.search(pattern, lines[0]), lines[0]
 
 
 def test_a_malformed_line_and_a_missing_template_are_one_line_exit_2(tmp_path, model, tok_file, capsys):

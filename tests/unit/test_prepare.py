@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from tests.support.cli_checks import one_line_error
 from tests.support.harness import ROOT
 from tests.support.text_fixtures import EOT, stdlib_texts, train_bpe, write_jsonl, write_parquet, write_text_folder
 from zerodp.cli.commands import main
@@ -32,16 +33,6 @@ def tokenizer(tok_path):
 
 def run(*args):
     return main(["prepare", *map(str, args), "--no-progress"])
-
-
-def one_line_error(capsys, code, pattern):
-    import re
-
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert re.search(pattern, lines[0]), lines[0]
 
 
 def nothing_left(out):

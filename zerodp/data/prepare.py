@@ -44,7 +44,7 @@ import numpy as np
 from zerodp import __version__
 from zerodp.checkpoint.safe_output import check_output, staged
 from zerodp.config.sources import FORMAT, META, prepared_meta  # noqa: F401  (the folder's format: the config reads it too)
-from zerodp.data.sources import Source, _documents, find_sources
+from zerodp.data.sources import Source, _documents, find_sources, sources_meta
 from zerodp.data.tokenizer import Tok, load_tokenizer
 from zerodp.errors import UserError
 
@@ -257,9 +257,7 @@ def prepare(opts: PrepareOptions) -> dict:
                        for s in SPLITS},
             "documents": documents, "split_by_tokens": split,
             "tokens": sum(counts[s]["tokens"] for s in SPLITS),
-            "sources": [{"path": str(s.path.resolve()), "kind": s.kind, "bytes": s.size, "documents": s.documents}
-                        for s in sources],
-            "bytes": sum(s.size for s in sources),
+            **sources_meta(sources),
             "seconds": round(time.time() - t0, 3),
             "command": command_line(opts),
         }

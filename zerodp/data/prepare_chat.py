@@ -29,7 +29,7 @@ from zerodp import __version__
 from zerodp.checkpoint.safe_output import check_output, staged
 from zerodp.config.sources import FORMAT, META
 from zerodp.data.chat import TRAIN_ON, NotAConversation, Refused, conversation, load_template, target_spans, token_mask
-from zerodp.data.sources import find_sources, records
+from zerodp.data.sources import find_sources, records, sources_meta
 from zerodp.data.tokenizer import load_tokenizer
 from zerodp.errors import UserError
 
@@ -115,9 +115,7 @@ def prepare_chat(opts, not_replaceable) -> dict:
                      "fields": dict(zip(("messages", "prompt", "response"), fields))},
             "documents": counts["train"]["documents"] + counts["val"]["documents"], "split_by_tokens": 0,
             "tokens": sum(counts[s]["tokens"] for s in SPLITS),
-            "sources": [{"path": str(s.path.resolve()), "kind": s.kind, "bytes": s.size, "documents": s.documents}
-                        for s in sources],
-            "bytes": sum(s.size for s in sources),
+            **sources_meta(sources),
             "seconds": round(time.time() - t0, 3),
             "command": chat_command_line(opts),
         }

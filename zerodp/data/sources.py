@@ -59,6 +59,13 @@ def find_sources(inputs: list[str], field_name: str | None) -> list[Source]:
     return sources
 
 
+def sources_meta(sources: list[Source]) -> dict:
+    """meta.json's record of what a prepare read: each source (path, kind, bytes, documents) and the bytes."""
+    return {"sources": [{"path": str(s.path.resolve()), "kind": s.kind, "bytes": s.size, "documents": s.documents}
+                        for s in sources],
+            "bytes": sum(s.size for s in sources)}
+
+
 def _hidden(f: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in f.relative_to(root).parts)
 

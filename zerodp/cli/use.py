@@ -218,7 +218,7 @@ def run_generate(args) -> int:
     from zerodp.api import model_from_source
     from zerodp.convert import open_checkpoint
     from zerodp.models.common import KVCache
-    from zerodp.trainer.sample import next_token
+    from zerodp.trainer.sample import next_logits, next_token
 
     device = _device(args.device)
     with open_checkpoint(args.path) as source:
@@ -248,12 +248,7 @@ def run_generate(args) -> int:
     kv = KVCache(model.arch.n_layer)
     with torch.no_grad(), _autocast(device, args.precision):
         for _ in range(args.max_new_tokens):
-            if kv is not None and idx.shape[1] > block:
-                kv = None
-            if kv is None:
-                logits = model(idx[:, -block:].to(device))  # (1, T, V)
-            else:
-                logits = model(idx[:, kv.pos:].to(device), cache=kv)
+            logits, kv = next_logits(model, idx, kv, block, device)
             idx = torch.cat([idx, next_token(logits[:, -1, :], generator, args.temperature, args.top_k)], dim=1)
     print(text.decode(idx[0, len(start):].tolist()))
     return 0

@@ -97,6 +97,17 @@ def next_token(logits: torch.Tensor, generator: torch.Generator, temperature: fl
 
 
 @torch.no_grad()
+def next_logits(model, idx: torch.Tensor, kv, block: int, device: torch.device):
+    """(logits (1, T, V), the cache to pass next) for the sequence `idx` (1, T) on the CPU: with a
+    KVCache `kv` the prompt, then only the newest token; past block_size tokens (or without a cache) the
+    last block_size tokens from position 0, re-run for each new token, the cache then dropped."""
+    if kv is not None and idx.shape[1] > block:
+        kv = None
+    if kv is None:
+        return model(idx[:, -block:].to(device)), None
+    return model(idx[:, kv.pos:].to(device), cache=kv), kv
+
+
 def generate_tokens(strategy, cfg: Config, env: DistEnv, new_tokens: int, temperature: float = TEMPERATURE,
                     cache: bool = True) -> list[int]:
     """Collective: the prompt and `new_tokens` tokens generated through `strategy.model` on every rank
@@ -115,13 +126,8 @@ def generate_tokens(strategy, cfg: Config, env: DistEnv, new_tokens: int, temper
     model.eval()
     try:
         for _ in range(new_tokens):
-            if kv is not None and idx.shape[1] > block:
-                kv = None  # past the context: re-run the last block_size tokens per token, as generate does
             with strategy.autocast():
-                if kv is None:
-                    logits = model(idx[:, -block:].to(env.device))  # (1, T, V)
-                else:  # the prompt, then only the newest token
-                    logits = model(idx[:, kv.pos:].to(env.device), cache=kv)
+                logits, kv = next_logits(model, idx, kv, block, env.device)
             token = next_token(logits[:, -1, :], generator, temperature)  # (1, 1)
             if broadcast:  # a CPU tensor: gloo carries it beside nccl
                 dist.broadcast(token, src=0)

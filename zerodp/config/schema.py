@@ -9,13 +9,12 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from zerodp.config.checks import _divisor_near, _non_negative, _one_of, _positive, batch_split, zeropp_refusal
-from zerodp.config.sources import check_sources
-from zerodp.errors import ConfigError
+from zerodp.config.checks import batch_split
+from zerodp.models.arch import FAMILIES
 from zerodp.strategies.catalog import CATALOG
 
 STRATEGIES = (*CATALOG, "auto")  # zerodp.strategies.catalog: the one list of strategies
-from zerodp.models.arch import FAMILIES as ARCHS  # noqa: E402  (model.arch: the families zerodp.models registers)
+ARCHS = FAMILIES  # model.arch: the families zerodp.models registers
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 SCHEDULES = ("cosine", "linear", "wsd")
@@ -273,111 +272,10 @@ class Config:
         return dataclasses.asdict(self)
 
     def validate(self) -> "Config":
-        """Check every value that does not depend on the world size; return self."""
-        m, t, o, s, c, d = self.model, self.train, self.optim, self.strategy, self.checkpoint, self.data
-        _positive("model.n_layer", m.n_layer)
-        _positive("model.n_head", m.n_head)
-        _positive("model.n_embd", m.n_embd)
-        _positive("model.vocab_size", m.vocab_size)
-        _positive("model.block_size", m.block_size)
-        _one_of("model.arch", m.arch, ARCHS)
-        if m.arch == "gpt2":
-            for key, value, default in (("n_kv_head", m.n_kv_head, m.n_head), ("head_dim", m.head_dim, None),
-                                        ("qkv_bias", m.qkv_bias, False), ("rope_scaling", m.rope_scaling, {})):
-                if value not in (default, None) and value != default:
-                    raise ConfigError(f"model.{key}={value!r} applies to model.arch=llama; gpt2 has none "
-                                      f"(remove the key or set model.arch=llama)")
-        elif m.bias:
-            raise ConfigError("model.bias=true applies to gpt2; llama has no biases (Qwen2's q/k/v biases: "
-                              "model.qkv_bias=true)")
-        if m.n_kv_head is not None and (m.n_kv_head <= 0 or m.n_head % m.n_kv_head):
-            raise ConfigError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head}; "
-                              f"choose one of {[d for d in range(1, m.n_head + 1) if m.n_head % d == 0]}")
-        if m.head_dim is not None:
-            _positive("model.head_dim", m.head_dim)
-        if m.intermediate_size is not None:
-            _positive("model.intermediate_size", m.intermediate_size)
-        _positive("model.norm_eps", m.norm_eps)
-        _positive("model.rope_theta", m.rope_theta)
-        if m.n_embd % m.n_head and m.head_dim is None:
-            raise ConfigError(
-                f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; "
-                f"choose n_head among the divisors of n_embd (e.g. {_divisor_near(m.n_embd, m.n_head)})"
-            )
-        if not 0.0 <= m.dropout < 1.0:
-            raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
-        _one_of("model.document_attention", m.document_attention, DOCUMENT_ATTENTION)
-        if m.document_attention == "flex" and m.dropout:
-            raise ConfigError(f"model.document_attention=flex has no attention dropout (model.dropout={m.dropout}); "
-                              f"set model.document_attention=sdpa or model.dropout=0")
-        if d.token_dtype not in ("uint16", "uint32"):
-            raise ConfigError(f"data.token_dtype={d.token_dtype!r} must be 'uint16' or 'uint32'")
-        if not 0.0 < d.val_fraction < 0.5:
-            raise ConfigError(f"data.val_fraction={d.val_fraction} must be in (0, 0.5)")
-        _positive("data.max_bytes", d.max_bytes)
-        check_sources(d)
-        _non_negative("data.prefetch", d.prefetch)
-        _positive("optim.lr", o.lr, hint="a learning rate such as 3e-4")
-        _non_negative("optim.min_lr", o.min_lr)
-        if o.min_lr > o.lr:
-            raise ConfigError(f"optim.min_lr={o.min_lr} is above optim.lr={o.lr}; set min_lr <= lr")
-        _non_negative("optim.warmup_steps", o.warmup_steps)
-        if o.decay_steps is not None:
-            _positive("optim.decay_steps", o.decay_steps)
-        _one_of("optim.schedule", o.schedule, SCHEDULES)
-        _one_of("optim.decay_shape", o.decay_shape, DECAY_SHAPES)
-        if not 0.0 < o.decay_fraction <= 1.0:
-            raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must be in (0, 1] (0.2 decays over the "
-                              f"last fifth of the steps)")
-        for key in ("decay_fraction", "decay_shape"):
-            if o.schedule != "wsd" and getattr(o, key) != getattr(OptimConfig, key):
-                raise ConfigError(f"optim.{key}={getattr(o, key)!r} applies to optim.schedule=wsd, not "
-                                  f"{o.schedule} (remove the key or set optim.schedule=wsd)")
-        _non_negative("optim.weight_decay", o.weight_decay)
-        for key in ("beta1", "beta2"):
-            if not 0.0 <= getattr(o, key) < 1.0:
-                raise ConfigError(f"optim.{key}={getattr(o, key)} must be in [0, 1)")
-        _positive("optim.eps", o.eps)
-        _non_negative("optim.grad_clip", o.grad_clip, hint="0 disables clipping")
-        _positive("optim.base_batch_size", o.base_batch_size)
-        _positive("train.global_batch_size", t.global_batch_size)
-        if t.micro_batch_size != "auto":
-            _positive("train.micro_batch_size", t.micro_batch_size)
-        if t.micro_batch_size != "auto" and t.global_batch_size % t.micro_batch_size:
-            raise ConfigError(
-                f"train.global_batch_size={t.global_batch_size} is not a multiple of "
-                f"train.micro_batch_size={t.micro_batch_size}; make the global batch "
-                f"micro_batch_size x world_size x grad_accum_steps"
-            )
-        _positive("train.max_steps", t.max_steps)
-        _non_negative("train.seed", t.seed)
-        _one_of("train.precision", t.precision, PRECISIONS)
-        _one_of("train.device", t.device, ("auto", "cpu", "cuda"))
-        _non_negative("train.eval_every", t.eval_every)
-        _positive("train.eval_batches", t.eval_batches)
-        _positive("train.log_every", t.log_every)
-        _non_negative("train.peak_tflops", t.peak_tflops)
-        _non_negative("train.sample_tokens", t.sample_tokens)
-        _positive("train.preempt_grace_s", t.preempt_grace_s)
-        _positive("train.straggler_margin", t.straggler_margin)
-        _positive("train.straggler_patience", t.straggler_patience)
-        if not 0.0 <= t.grad_noise_ema < 1.0:
-            raise ConfigError(f"train.grad_noise_ema={t.grad_noise_ema} must be in [0, 1) (0.99 averages about "
-                              f"the last 100 steps)")
-        if not t.out_dir:
-            raise ConfigError("train.out_dir is empty; set it to the run directory, e.g. runs/my_run")
-        _one_of("strategy.name", s.name, STRATEGIES)
-        if s.bucket_size_mb is not None:
-            _positive("strategy.bucket_size_mb", s.bucket_size_mb)
-        _one_of("strategy.grad_reduce_dtype", s.grad_reduce_dtype, ("fp32", "bf16"))
-        _positive("strategy.timeout_s", s.timeout_s)
-        _non_negative("strategy.shard_group_size", s.shard_group_size)
-        _non_negative("strategy.hpz_partition_size", s.hpz_partition_size,
-                      hint="1 turns hpZ off, 0 takes the ranks of one node")
-        if refusal := zeropp_refusal(s, s.name):
-            raise ConfigError(refusal)
-        _non_negative("checkpoint.every", c.every)
-        _positive("checkpoint.keep_last", c.keep_last)
+        """Check every value that does not depend on the world size (zerodp.config.validation); return self."""
+        from zerodp.config.validation import validate
+
+        validate(self)
         return self
 
     def check_batch_split(self, world_size: int) -> int:

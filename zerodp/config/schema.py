@@ -203,6 +203,11 @@ class TrainConfig:
     grad_noise_ema: float = 0.99
     """Decay of the exponential moving averages that smooth the estimate over steps (0.99: about the
     last 100 steps); in [0, 1), 0 reports each step's own, very noisy, estimate."""
+    check_replicas_every: int = 100
+    """Compare the state every rank holds the same copy of (ddp's weights and AdamW moments, zero1/zero2's
+    working weights, the data order) across the ranks every this many steps, at a sync point, and before
+    every checkpoint: a rank whose hash differs is named and the run stops before saving (exit 1;
+    docs/operations.md). 0: off. zero3/fsdp shard that state: nothing to compare."""
 
 
 @dataclass

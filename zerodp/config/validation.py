@@ -130,6 +130,7 @@ def check_train(t: TrainConfig) -> None:
     _positive("train.preempt_grace_s", t.preempt_grace_s)
     _positive("train.straggler_margin", t.straggler_margin)
     _positive("train.straggler_patience", t.straggler_patience)
+    _non_negative("train.check_replicas_every", t.check_replicas_every)
     if not 0.0 <= t.grad_noise_ema < 1.0:
         raise ConfigError(f"train.grad_noise_ema={t.grad_noise_ema} must be in [0, 1) (0.99 averages about "
                           f"the last 100 steps)")

@@ -24,6 +24,7 @@ from zerodp.distributed.process_group import DistEnv, all_gather_floats, init_di
 from zerodp.models import build_model, compile_blocks, param_count
 from zerodp.optim.schedules import lr_at
 from zerodp.resilience.preemption import Preemption
+from zerodp.resilience.replicas import ReplicaCheck
 from zerodp.resilience.stragglers import Stopwatch
 from zerodp.strategies import RunContext, make_strategy
 from zerodp.telemetry.comm import CommMeter, PlanCheck
@@ -181,6 +182,7 @@ class Steps:
         self.cfg, self.env, self.strategy = cfg, env, strategy
         self.checkpointer, self.records, self.guards = checkpointer, records, guards
         self.meter = CommMeter(cfg.train.measure_comm)  # counts the collectives of each step
+        self.replicas = ReplicaCheck(cfg, env, strategy)  # train.check_replicas_every
         self.held: dict[int, int] = {}
         """What rank 0 holds after the first step (strategy.state_bytes)."""
         self.done = 0
@@ -256,7 +258,11 @@ class Steps:
             t_eval = time.perf_counter()
             new[-1].update(evaluate(self.strategy, val_data, self.cfg, self.env))
             self.interval_start += time.perf_counter() - t_eval
+        step = pending[-1].step  # checked before a save, the finding in the step's record, then the stop
+        found = self.replicas.check(step, bool(stop) or self.checkpointer.due(step))
+        new[-1].update(found)
         self.records.publish(new)
+        self.replicas.stop(found)
         return stop
 
     def _epochs(self, done: int) -> dict[str, float]:

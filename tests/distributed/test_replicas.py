@@ -1,0 +1,45 @@
+"""Replica checks (zerodp.resilience.replicas) with a real fault: one bit of one weight flipped on one
+rank of three, in the middle of a ddp run and of a zero2 run. The check after it names that rank and
+the step, the run stops before the next checkpoint (exit code 1's PeerFailure), `latest` stays the
+checkpoint from before the flip, and the step's metrics record says what was found."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.harness import run_distributed
+
+FLIPPED_RANK, AFTER_STEP = 1, 4  # zero2 heals a flip in its working weights at the next step: flip after a checked one
+
+
+@pytest.fixture(scope="module")
+def flipped(tiny, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("replicas")
+    runs = [{"overrides": tiny + [f"strategy.name={name}", "train.max_steps=6", "train.log_every=1",
+                                  "train.check_replicas_every=4", "checkpoint.every=2", "checkpoint.keep_last=5",
+                                  f"train.out_dir={tmp / name}"]} for name in ("ddp", "zero2")]
+    results = run_distributed("tests.support.replica_workers:flip_one_bit", 3,
+                              {"runs": runs, "rank": FLIPPED_RANK, "after_step": AFTER_STEP}, fresh=True)
+    return dict(zip(("ddp", "zero2"), results[0]))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from tests.conftest import TINY
+
+    return list(TINY) + ["train.global_batch_size=6"]
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2"])
+def test_a_flipped_bit_is_named_and_nothing_after_it_is_saved(flipped, name):
+    got = flipped[name]
+    # checks after step 1 (the first sync point), 2 (a save), then 4: the save of step 4 is never written
+    assert got["error"] is not None and "replica check after step 4 (they agreed after step 2)" in got["error"], got
+    assert f"rank {FLIPPED_RANK} on " in got["error"] and "rank 0 on" not in got["error"], got["error"]
+    assert "param/" in got["error"], got["error"]
+    assert got["latest"] == "step_00000002" and got["published"] == ["step_00000002"], got
+    assert got["last_step"] == 4, got
+    [record] = got["mismatches"]
+    m = record["replica_mismatch"]
+    assert record["step"] == 4 and m["ranks"] == [FLIPPED_RANK] and not m["no_majority"], m
+    assert any(t.startswith("param/") for t in m["tensors"]), m

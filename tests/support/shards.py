@@ -36,6 +36,7 @@ SECONDS = {
     "test_portable.py": 70,
     "test_equivalence.py": 67,
     "test_replicas.py": 45,
+    "test_verify.py": 30,
     "test_prepared_data.py": 64,
     "test_sample.py": 63,
     "test_bf16_optimizer.py": 50,

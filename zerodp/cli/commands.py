@@ -1,4 +1,4 @@
-"""`zerodp` command line: train, plan, convert, inspect, config, prepare, data, generate, eval.
+"""`zerodp` command line: train, plan, convert, inspect, config, prepare, data, generate, eval, verify.
 
 User errors (UserError) become one line on stderr and exit code 2, never a traceback.
 """
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="zerodp", description="Data-parallel GPT training: one pipeline, any strategy.")
     parser.add_argument("--version", action="version", version=f"zerodp {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser,
-                                metavar="{train,plan,convert,inspect,config,prepare,data,generate,eval}")
+                                metavar="{train,plan,convert,inspect,config,prepare,data,generate,eval,verify}")
     sub.required = True
     _add_train(sub)
     from zerodp.convert import cli as convert_cli
@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     from zerodp.cli import use
 
     use.add_parsers(sub)
+    from zerodp.cli import verify
+
+    verify.add_verify_parser(sub)
     return parser
 
 
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Overrides may follow flags (`train cfg.yaml --fresh train.max_steps=5`): argparse leaves them over.
-    unknown = [a for a in extra if a.startswith("-") or getattr(args, "command", None) != "train"]
+    unknown = [a for a in extra if a.startswith("-") or getattr(args, "command", None) not in ("train", "verify")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:

@@ -1,0 +1,35 @@
+"""`zerodp verify`'s bad inputs (one line, exit 2, nothing created) and its verdict (zerodp.trainer.compare)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerodp.cli.commands import main
+from zerodp.trainer.compare import TOLERANCES, Verdict, tolerance_for
+
+
+@pytest.mark.parametrize("against, line", [
+    ("strategy.nam=fsdp", r"unknown key 'strategy.nam'.*did you mean 'strategy.name'"),
+    ("model.n_layer=3", r"--against model.n_layer changes the model's shape"),
+    ("strategy.name", r"--against 'strategy.name' is not KEY=VALUE"),
+    ("fsdp=1", r"'fsdp' is no section.key \(nor nproc\)"),
+    ("nproc=two", r"--against nproc=two is not a number of processes"),
+])
+def test_bad_against_is_one_line_and_exit_2(tmp_path, capsys, against, line):
+    import re
+
+    out = tmp_path / "run"
+    code = main(["verify", "configs/tiny.yaml", f"train.out_dir={out}", "--against", against])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(line, err), err
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
+def test_the_verdict_names_the_first_step_and_the_tensors_most_apart():
+    v = Verdict(TOLERANCES["fp32"], steps=[(1, 0.0, 0.0), (2, 3e-6, 5e-5), (3, 2e-4, 1e-3), (4, 1e-2, 1e-1)],
+                weights={"a": 1e-6, "b": 3e-3, "c": 2e-2})
+    assert not v.passed and v.first_step == 3 and [n for n, _ in v.differing] == ["c", "b"]
+    report = v.report("x", "y")
+    assert "FAIL: the first differing step is 3" in report and "most: c 2.00e-02, b 3.00e-03" in report
+    assert Verdict(TOLERANCES["fp32"], steps=[(1, 1e-6, 1e-5)], weights={"a": 1e-5}).passed
+    assert tolerance_for("fp32", "fp32") is TOLERANCES["fp32"] and tolerance_for("fp32", "bf16") is TOLERANCES["16bit"]

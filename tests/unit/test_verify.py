@@ -14,6 +14,7 @@ from zerodp.trainer.compare import TOLERANCES, Verdict, tolerance_for
     ("strategy.name", r"--against 'strategy.name' is not KEY=VALUE"),
     ("fsdp=1", r"'fsdp' is no section.key \(nor nproc\)"),
     ("nproc=two", r"--against nproc=two is not a number of processes"),
+    ("train.max_steps=5", r"--against train.max_steps: zerodp verify sets it for both runs"),
 ])
 def test_bad_against_is_one_line_and_exit_2(tmp_path, capsys, against, line):
     import re

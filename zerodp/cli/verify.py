@@ -27,6 +27,7 @@ from zerodp.errors import UserError
 # What both runs get besides the user's overrides: N steps, a save at the last only, nothing else.
 FIXED = ["checkpoint.every=0", "checkpoint.keep_last=1", "checkpoint.resume=false", "train.eval_every=0",
          "train.sample_tokens=0", "train.progress=false", "train.tensorboard=false", "train.wandb="]
+_OWN = {"train.max_steps", "train.out_dir", *(f.split("=")[0] for f in FIXED)}
 _PAIR = re.compile(r",(?=\s*[A-Za-z_][\w.]*=)")  # a comma that starts the next KEY=VALUE
 
 
@@ -60,6 +61,9 @@ def parse_against(text: str) -> tuple[list[str], int | None]:
             nproc = int(value)
         elif "." not in key:
             raise UserError(f"--against {pair!r}: {key!r} is no section.key (nor nproc); e.g. strategy.name=fsdp")
+        elif key in _OWN or key.startswith("checkpoint."):
+            raise UserError(f"--against {key}: zerodp verify sets it for both runs (--steps sets train.max_steps); "
+                            f"change what you want to compare, e.g. strategy.name=fsdp")
         else:
             overrides.append(pair)
     return overrides, nproc

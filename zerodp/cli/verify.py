@@ -116,7 +116,7 @@ def _verify(args) -> int:
     common = list(args.overrides) + FIXED + [f"train.max_steps={args.steps}"]
     runs = [("as written", nproc_a, common + [f"train.out_dir={work / 'a'}"]),
             (f"against {args.against}", nproc_b, common + against + [f"train.out_dir={work / 'b'}"])]
-    keep = args.keep
+    keep, done = args.keep, False
     try:
         for (label, nproc, overrides), name in zip(runs, "ab"):
             if rank0:
@@ -141,9 +141,11 @@ def _verify(args) -> int:
             if keep:
                 print(f"zerodp verify: both runs kept in {work} (a: as written, b: against)")
             code = 0 if verdict.passed else 1
+        done = True
         return _shared(code)
     finally:
-        _barrier()  # every rank is done with the folder
+        if done:
+            _barrier()  # every rank is done with the folder (after an error a peer may be gone: no wait)
         if not keep and rank0:
             shutil.rmtree(work, ignore_errors=True)
 

@@ -18,17 +18,45 @@ from zerodp.checkpoint import store
 class Checkpointer:
     """Saving, retention, `latest` and the run's time spent saving, for one strategy in one out_dir."""
 
-    def __init__(self, strategy, out_dir: str | Path, meta: dict, every: int, keep_last: int, max_steps: int):
+    def __init__(self, strategy, out_dir: str | Path, meta: dict, every: int, keep_last: int, max_steps: int,
+                 async_save: bool = False):
         self.strategy, self.out_dir, self.meta = strategy, Path(out_dir), meta
         self.every, self.keep_last, self.max_steps = every, keep_last, max_steps
+        self.background = None
+        """The background saves (checkpoint.async_save; collective to build: a gloo group of its own)."""
+        if async_save:
+            from zerodp.checkpoint.background import Background
+
+            self.background = Background(strategy, store.checkpoint_root(out_dir), meta, keep_last)
         self.busy = False
         """A checkpoint is being written (read by the peer watch from its own thread)."""
         self.save_s = 0.0
         """Seconds spent in `save` over the run."""
 
     def due(self, step: int) -> bool:
-        """Whether the loop saves after step `step` (1-based): every checkpoint.every steps and at the end."""
+        """Whether the loop saves after step `step` (1-based): every checkpoint.every steps and at the end.
+
+        Collective with background saves (every rank asks at every step): a save in flight whose files
+        are complete on every rank is published here, and one that failed raises CheckpointError."""
+        if self.background is not None:
+            self.background.poll()
         return step == self.max_steps or bool(self.every and step % self.every == 0)
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds save steps waited for the previous background save (part of `save_s`)."""
+        return self.background.waited_s if self.background is not None else 0.0
+
+    def finish(self) -> None:
+        """Collective: let a background save in flight finish and publish it (the end of the run)."""
+        if self.background is not None:
+            self.busy = True
+            t0 = time.perf_counter()
+            try:
+                self.background.wait()
+            finally:
+                self.save_s += time.perf_counter() - t0
+                self.busy = False
 
     def restore(self, resume_from: Path | None, init_from: str | None, world_size: int) -> dict:
         """Collective: load the checkpoint `resume_from` (any strategy, any world size saved it), or
@@ -40,10 +68,18 @@ class Checkpointer:
         return {}
 
     def save(self, step: int, trainer_state: dict) -> Path:
-        """Collective: publish the checkpoint of step `step`, then apply retention; return its folder."""
+        """Collective: publish the checkpoint of step `step`, then apply retention; return its folder.
+
+        With background saves, a save in flight is finished first; a save at a checkpoint.every step
+        that is not the last then only takes its snapshot (published by a later `due`, `save` or
+        `finish`); the last one and a preemption's are written before this returns."""
         self.busy = True  # a signal now waits for the save (within the grace period)
         t0 = time.perf_counter()
         try:
+            if self.background is not None:
+                self.background.wait()
+                if step != self.max_steps and self.every and step % self.every == 0:
+                    return self.background.start(step, trainer_state)
             return store.save(self.strategy, self.out_dir, step, trainer_state, self.meta, self.keep_last)
         finally:
             self.save_s += time.perf_counter() - t0

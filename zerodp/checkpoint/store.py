@@ -188,13 +188,15 @@ def _attempt(fn) -> str | None:
     return None
 
 
-def _agree(error: str | None, tmp: Path, step: int, root: Path) -> None:
-    """All ranks learn whether any rank failed; if one did, clean up and raise everywhere."""
+def _agree(error: str | None, tmp: Path, step: int, root: Path, group=None) -> None:
+    """All ranks learn whether any rank failed (over `group`, the world's by default); if one did,
+    clean up and raise everywhere."""
     import socket
 
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors,
-                           None if error is None else f"rank {dist.get_rank()} on {socket.gethostname()}: {error}")
+                           None if error is None else f"rank {dist.get_rank()} on {socket.gethostname()}: {error}",
+                           group=group)
     failed = [e for e in errors if e]
     if not failed:
         return

@@ -262,6 +262,11 @@ class CheckpointConfig:
     checkpoint does not count: it is set aside (renamed `*.damaged`), never deleted."""
     resume: bool = True
     """Resume from the newest checkpoint in out_dir when one exists (`--fresh` sets false)."""
+    async_save: bool = False
+    """Save in the background: each rank copies what a save writes into host memory (one copy of its
+    checkpoint, reused from save to save) and training continues while a thread writes and hashes it;
+    `latest` moves only once every rank's files are complete. The end-of-run and preemption saves stay
+    synchronous. Off by default: it costs that host memory per rank (docs/checkpoints.md)."""
 
 
 @dataclass

@@ -59,20 +59,33 @@ def save_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir
 
     model.safetensors: {name: fp32 weight}; optim.safetensors: {name/exp_avg, name/exp_avg_sq};
     optim.json: AdamW step per parameter and the strategy's `extra` state (e.g. the loss scale)."""
+    write_replicated(ckpt_dir, replicated_state(model, optimizer, extra, lambda _key, t: t.float().contiguous().cpu()))
+
+
+def replicated_state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict, copy) -> tuple:
+    """What `save_replicated` writes, each tensor passed through `copy(key, tensor)` (a host copy:
+    `.cpu()`, or zerodp.checkpoint.background.HostBuffers.copy for a background save)."""
     names = param_names(model, optimizer)
     params = dict(model.named_parameters())
-    save_file({n: params[n].detach().float().contiguous().cpu() for n in names}, ckpt_dir / "model.safetensors")
+    weights = {n: copy(n, params[n].detach()) for n in names}
     tensors, steps = {}, {}
     flat = [p for g in optimizer.param_groups for p in g["params"]]
     for n, p in zip(names, flat):
         st = optimizer.state.get(p)
         if not st:
             continue
-        tensors[f"{n}/exp_avg"] = st["exp_avg"].float().contiguous().cpu()
-        tensors[f"{n}/exp_avg_sq"] = st["exp_avg_sq"].float().contiguous().cpu()
+        tensors[f"{n}/exp_avg"] = copy(f"{n}/exp_avg", st["exp_avg"])
+        tensors[f"{n}/exp_avg_sq"] = copy(f"{n}/exp_avg_sq", st["exp_avg_sq"])
         steps[n] = float(st["step"])
+    return weights, tensors, json.dumps({"step": steps, "extra": extra})
+
+
+def write_replicated(ckpt_dir: Path, state: tuple) -> None:
+    """Write what `replicated_state` returned: the canonical safetensors writer, any thread."""
+    weights, tensors, optim_json = state
+    save_file(weights, ckpt_dir / "model.safetensors")
     save_file(tensors, ckpt_dir / "optim.safetensors")
-    (ckpt_dir / "optim.json").write_text(json.dumps({"step": steps, "extra": extra}))
+    (ckpt_dir / "optim.json").write_text(optim_json)
 
 
 def load_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: Path) -> dict:

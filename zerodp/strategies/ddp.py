@@ -8,6 +8,7 @@ the master weights, gradients are fp32 and reduced in fp32.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,9 +26,11 @@ from zerodp.strategies.common import (
     load_full_replicated,
     load_replicated,
     local_grad_norms,
+    replicated_state,
     replicated_state_bytes,
     replicated_step,
     save_replicated,
+    write_replicated,
 )
 
 
@@ -83,6 +86,13 @@ class DDPStrategy:
         # Replicas are identical: rank 0 writes the one copy.
         if dist.get_rank() == 0:
             save_replicated(self.module, self.optimizer, ckpt_dir, {"scaler": self.scaler.state_dict()})
+
+    def snapshot(self, ckpt_dir: Path, buffers) -> Callable[[], None]:
+        """A background save's host copy of what `save` writes (rank 0's), and the function writing it."""
+        if dist.get_rank() != 0:
+            return lambda: None
+        state = replicated_state(self.module, self.optimizer, {"scaler": self.scaler.state_dict()}, buffers.copy)
+        return lambda: write_replicated(ckpt_dir, state)
 
     def load(self, ckpt_dir: Path) -> None:
         extra = load_replicated(self.module, self.optimizer, ckpt_dir)

@@ -20,6 +20,7 @@ import contextlib
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -245,11 +246,41 @@ class FSDPStrategy:
         return {n: _full(p) for n, p in self.model.named_parameters()}
 
     def save(self, ckpt_dir: Path) -> None:
+        state, tied = self._dcp_state()
+        dcp.save(state, checkpoint_id=ckpt_dir / DCP_DIR)
+        self._write_meta(ckpt_dir, sorted(state["model"]), tied, self._scaler_state())
+
+    def snapshot(self, ckpt_dir: Path, buffers) -> Callable[[], None]:
+        """A background save through DCP's own `async_save`: it stages the state into host memory (its
+        stager, kept from save to save, pinned on CUDA) before returning; its writer thread plans and
+        writes over a gloo group of its own, never the training group."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if getattr(self, "_async", None) is None:  # collective: every rank's first background save
+            cuda = torch.cuda.is_available()
+            self._async = (dist.new_group(backend="gloo"), DefaultStager(StagingOptions(cuda, False, False, cuda)))
+        group, stager = self._async
+        state, tied = self._dcp_state()
+        fqns, scaler = sorted(state["model"]), self._scaler_state()
+        future = dcp.async_save(state, checkpoint_id=ckpt_dir / DCP_DIR, process_group=group, async_stager=stager)
+
+        def write() -> None:
+            future.result()
+            self._write_meta(ckpt_dir, fqns, tied, scaler)
+
+        return write
+
+    def _dcp_state(self) -> tuple[dict, list]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions())
         tied = self.model.tied_weights()
         for alias in tied:  # one name per tensor: the tied alias is restored from its source on load
             model_sd.pop(alias, None)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt_dir / DCP_DIR)
+        return {"model": model_sd, "optim": optim_sd}, tied
+
+    def _scaler_state(self) -> dict | None:
+        return self.scaler.state_dict() if self.scaler.is_enabled() else None
+
+    def _write_meta(self, ckpt_dir: Path, fqns: list, tied: list, scaler: dict | None) -> None:
         if dist.get_rank() == 0:
             meta = {
                 "format": CKPT_FORMAT,
@@ -257,10 +288,10 @@ class FSDPStrategy:
                 "dcp_dir": DCP_DIR,
                 # DCP keys: model.<name> (fp32, global shapes) and optim.state.<name>.{step,exp_avg,
                 # exp_avg_sq}, optim.param_groups.<i>.params = [<name>, ...]: plain GPT names throughout.
-                "fqns": sorted(model_sd),
+                "fqns": fqns,
                 "tied": tied,
                 "world_size": self.ctx.world_size,
-                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                "scaler": scaler,
             }
             (ckpt_dir / META_FILE).write_text(json.dumps(meta, indent=1))
 

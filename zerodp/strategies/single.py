@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -18,9 +19,11 @@ from zerodp.strategies.common import (
     load_full_replicated,
     load_replicated,
     local_grad_norms,
+    replicated_state,
     replicated_state_bytes,
     replicated_step,
     save_replicated,
+    write_replicated,
 )
 
 
@@ -62,6 +65,11 @@ class SingleStrategy:
 
     def save(self, ckpt_dir: Path) -> None:
         save_replicated(self.model, self.optimizer, ckpt_dir, {"scaler": self.scaler.state_dict()})
+
+    def snapshot(self, ckpt_dir: Path, buffers) -> Callable[[], None]:
+        """A background save's host copy of what `save` writes, and the function writing it."""
+        state = replicated_state(self.model, self.optimizer, {"scaler": self.scaler.state_dict()}, buffers.copy)
+        return lambda: write_replicated(ckpt_dir, state)
 
     def load(self, ckpt_dir: Path) -> None:
         extra = load_replicated(self.model, self.optimizer, ckpt_dir)

@@ -25,6 +25,7 @@ from torch import nn
 from zerodp.config import Config
 from zerodp.errors import UserError
 from zerodp.optim import adam_step, adamw, adamw_kwargs, param_groups
+from zerodp.strategies import zero_snapshot
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (
     FullState,
@@ -243,6 +244,9 @@ class ZeroStrategy:
     def save(self, ckpt_dir: Path) -> None:
         # save_latest=False: zerodp's own `latest` (one level up) is the only pointer to trust.
         self.model.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
+
+    def snapshot(self, ckpt_dir: Path, buffers):  # a background save: zerodp/strategies/zero_snapshot.py
+        return zero_snapshot.snapshot(self, ckpt_dir, buffers, TAG)
 
     def load(self, ckpt_dir: Path) -> None:
         """Resume from DeepSpeed's files without DeepSpeed's loader: `engine.load_checkpoint` unpickles

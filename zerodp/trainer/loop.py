@@ -98,6 +98,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     try:
         with guards.watching(start, checkpointer, records.say):
             steps.run(ready.train_data, ready.val_data, start)
+            checkpointer.finish()  # a background save still in flight (checkpoint.async_save)
     finally:
         records.close()
     peaks.training_over()
@@ -155,7 +156,8 @@ def set_up(cfg: Config, env: DistEnv, grad_accum: int):
     ctx = RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, grad_accum, env.local_world_size)
     strategy.setup(model, ctx)
     c = cfg.checkpoint
-    return strategy, Checkpointer(strategy, cfg.train.out_dir, meta, c.every, c.keep_last, cfg.train.max_steps)
+    return strategy, Checkpointer(strategy, cfg.train.out_dir, meta, c.every, c.keep_last, cfg.train.max_steps,
+                                  c.async_save)
 
 
 def announce(cfg: Config, env: DistEnv, ready: Ready, start: int) -> PlanCheck:

@@ -27,6 +27,7 @@ GENERATE_EXAMPLES = """examples:
   zerodp generate runs/tiny --prompt 'def main(' --max-new-tokens 200
   zerodp generate runs/llama-mine/checkpoints/step_00000500 --prompt 'Once upon a time' --temperature 0
   zerodp generate exports/llama-hf --prompt 'The' --top-k 0 --seed 3 --device cuda
+  zerodp generate runs/sft-llama --chat 'What does def do in Python?' --temperature 0
 """
 
 EVAL_EXAMPLES = """examples:
@@ -46,6 +47,8 @@ def add_parsers(subparsers) -> None:
                    help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
     g.add_argument("--prompt", default=None,
                    help="text to continue (default: the start of a new document, as the end-of-run sample)")
+    g.add_argument("--chat", default=None, metavar="MESSAGE",
+                   help="a user message: rendered with the run's chat template, the answer printed (zerodp.cli.chat)")
     g.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
     g.add_argument("--temperature", type=float, default=0.8, metavar="T",
                    help="softmax temperature (default 0.8); 0 takes the most likely token every time")
@@ -213,6 +216,10 @@ def run_generate(args) -> int:
     if args.top_k < 0 or args.temperature < 0:
         raise UserError("--top-k and --temperature cannot be negative (0 means: all tokens / the most likely one)")
     _not_a_dataset(args.path, "generate")
+    if args.chat is not None:
+        from zerodp.cli.chat import run_chat
+
+        return run_chat(args)
     import torch  # after the checks of the arguments alone: those fail at once, not after torch's import
 
     from zerodp.api import model_from_source

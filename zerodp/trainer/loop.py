@@ -19,6 +19,7 @@ from zerodp.checkpoint.checkpointer import Checkpointer
 from zerodp.config import Config, dump_yaml
 from zerodp.config.sources import primary_source
 from zerodp.data.batches import TokenBatches, prefetch, prepared_meta
+from zerodp.data.chat import chat_record
 from zerodp.distributed import determinism
 from zerodp.distributed.process_group import DistEnv, init_distributed
 from zerodp.models import build_model, compile_blocks, param_count
@@ -46,11 +47,12 @@ from zerodp.trainer.validate import evaluate
 def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, model: torch.nn.Module) -> dict:
     """What conversion and resume need to know about a checkpoint, besides its files; for a `zerodp
     prepare` folder also the tokenizer its meta.json names ({path, sha256, eot_id, special_tokens}),
-    which `zerodp convert --to hf` copies into the export and `zerodp generate` encodes and decodes with."""
+    which `zerodp convert --to hf` copies into the export and `zerodp generate` encodes and decodes with,
+    and for a `zerodp prepare --chat` folder its chat template and end-of-turn id (zerodp.data.chat.chat_record)."""
     prepared = prepared_meta(primary_source(cfg.data))  # a mixture's sources share its tokenizer
     tokenizer = {**{k: (prepared.get("tokenizer") or {}).get(k) for k in ("path", "sha256")},
-                 "eot_id": prepared.get("eot_id"), "special_tokens": prepared.get("special_tokens", True)} \
-        if prepared else None
+                 "eot_id": prepared.get("eot_id"), "special_tokens": prepared.get("special_tokens", True),
+                 **({"chat": chat_record(prepared)} if chat_record(prepared) else {})} if prepared else None
     return {
         **({"tokenizer": tokenizer} if tokenizer and tokenizer["path"] else {}),
         "strategy": strategy_name,

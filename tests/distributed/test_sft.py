@@ -90,6 +90,10 @@ def test_transformers_answers_with_the_template_and_stops_at_the_end_of_turn(sft
     assert prompt[-3:] == tok.encode("<|im_start|>assistant\n", add_special_tokens=False)[-3:]
     import torch
 
+    as_docs = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=False)  # docs/fine_tuning.md's form
+    assert as_docs.tolist() == [prompt]
+
     out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
     assert eos not in out[:-1] and (out[-1] == eos or len(out) == 12), out
     # zerodp generate --chat answers the same from the run folder and from the export
@@ -97,6 +101,17 @@ def test_transformers_answers_with_the_template_and_stops_at_the_end_of_turn(sft
     for path in (root / "run", hf):
         assert main(["generate", str(path), "--chat", QUESTION, "--temperature", "0", "--max-new-tokens", "12"]) == 0
         assert capsys.readouterr().out == tok.decode(answer_ids) + "\n"
+
+
+def test_eval_reports_the_loss_over_the_answers(sft, capsys):
+    root, _ = sft
+    assert main(["eval", str(root / "run"), "--json", "--no-progress"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    meta = json.loads((root / "data" / "meta.json").read_text())
+    assert 0 < result["targets"] < result["tokens"] and np.isfinite(result["val_loss"])
+    assert result["targets"] <= meta["splits"]["val"]["targets"]
+    assert main(["eval", str(root / "run"), "--no-progress"]) == 0
+    assert f"{result['targets']:,} of them targets" in capsys.readouterr().out
 
 
 def test_generate_chat_refuses_bad_input(sft, tmp_path, capsys):

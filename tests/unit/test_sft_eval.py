@@ -68,3 +68,17 @@ def test_eval_windows_take_the_mask_and_sum_over_targets(folder):
             rows.append((x, y))
         assert total / n == pytest.approx(token_mean(model, rows), rel=1e-5)
     assert n == int(sum(tokens.val_mask[r * T + 1 : r * T + T + 1].sum() for r in range(12)))
+
+
+def test_eval_of_a_split_without_targets_says_what_to_do(tmp_path):
+    from zerodp.cli.use import _eval_split
+    from zerodp.errors import UserError
+
+    folder = write_prepared(tmp_path / "none", [40] * 20, [40] * 5, targets=[0.0])
+    cfg = load_config(None, TINY + [f"data.source={folder}"])
+    tokens = load_tokens(cfg)
+    args = SimpleNamespace(max_tokens=None, batch_size=4, no_progress=True, precision="fp32")
+    with pytest.raises(UserError, match=r"^the validation split \(val.bin\) holds no target tokens in its first "
+                                        r"192 tokens \(its loss mask is all 0\); evaluate more of it"):
+        _eval_split(build_model(cfg.model, seed=1), tokens.val, tokens.val_mask, "val.bin", args,
+                    torch.device("cpu"))

@@ -63,7 +63,9 @@ def add_parsers(subparsers) -> None:
         description="Load a checkpoint on one process and compute the mean cross-entropy (and its exp, the "
                     "perplexity) over the validation split: a `zerodp prepare` folder's val.bin, or the last "
                     "data.val_fraction of another source, cut into consecutive windows of model.block_size "
-                    "tokens. The data is the run's own data.source unless an override names another.",
+                    "tokens; with a loss mask (zerodp prepare --chat) over the target tokens only, their "
+                    "losses' sum over their count. The data is the run's own data.source unless an override "
+                    "names another.",
         epilog=EVAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("path", metavar="PATH",
                    help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")

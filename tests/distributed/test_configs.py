@@ -34,13 +34,33 @@ def header(path) -> str:
 
 
 def test_the_configs_are_found():
-    assert {"tiny", "gpt2-124m", "llama-tiny", "llama3-8b"} <= {p.stem for p in CONFIGS}
+    assert {"tiny", "gpt2-124m", "llama-tiny", "llama3-8b", "sft-llama"} <= {p.stem for p in CONFIGS}
+
+
+@pytest.fixture(scope="module")
+def sft_inputs(tmp_path_factory):
+    """configs/sft-llama.yaml's placeholders filled in: a tiny Hugging Face Llama folder (tokenizer, chat
+    template, weights) and conversations prepared with it."""
+    from tests.support.sft_fixtures import llama_folder, reverse_rows, write_rows
+    from zerodp.cli.commands import main
+
+    root = tmp_path_factory.mktemp("sft_inputs")
+    llama = llama_folder(root / "llama")
+    rows = write_rows(root / "chats.jsonl", reverse_rows(600))
+    assert main(["prepare", str(rows), "--chat", "--tokenizer", str(llama), "--out", str(root / "sft"),
+                 "--val-fraction", "0.3", "--no-progress"]) == 0
+    return [f"model.hf_config={llama}", f"model.init_from={llama}", f"data.source={root / 'sft'}"]
+
+
+def filled(path, request) -> list[str]:
+    """The overrides that fill in a config's placeholders (path/to/...)."""
+    return request.getfixturevalue("sft_inputs") if "path/to/" in path.read_text() else []
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_config_dry_runs(path, tmp_path):
-    cfg = load_config(path)
-    over = [f"train.out_dir={tmp_path / 'run'}"]
+def test_config_dry_runs(path, tmp_path, request):
+    cfg = load_config(path, filled(path, request))
+    over = [f"train.out_dir={tmp_path / 'run'}", *filled(path, request)]
     if cfg.data.source.endswith(".bin"):
         # enough for both splits of the longest block (llama3-8b's 8,192: val is data.val_fraction=5%)
         tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, 200_000)
@@ -55,8 +75,8 @@ def test_config_dry_runs(path, tmp_path):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_config_header_has_launch_line_and_batch_arithmetic(path):
-    text, cfg = header(path), load_config(path)
+def test_config_header_has_launch_line_and_batch_arithmetic(path, request):
+    text, cfg = header(path), load_config(path, filled(path, request))
     assert f"--module zerodp train configs/{path.name}" in text, f"{path.name}: no launch line in the header"
     m = BATCH.search(text.replace("\n", " "))
     assert m, f"{path.name}: the header lacks 'Global batch: M micro x N GPUs x A accumulation = ...'"

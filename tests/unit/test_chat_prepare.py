@@ -114,6 +114,10 @@ def test_ids_equal_apply_chat_template_and_the_mask_covers_assistant_turns(tmp_p
     assert "prepared 4 conversations of 4 rows" in capsys.readouterr().out
     docs, meta = prepared(tmp_path / "out")
     assert len(docs) == len(ROWS) and meta["chat"]["train_on"] == "assistant"
+    # what the export and generate --chat take: the template, its special tokens, where a turn ends
+    assert meta["chat"]["template_text"] == hf.chat_template and meta["chat"]["end_of_turn"] == end
+    assert meta["chat"]["end_of_turn_id"] == hf.convert_tokens_to_ids(end)
+    assert meta["chat"]["template_specials"]["bos_token"] == "<|begin_of_text|>"
     trim = end == "<|eot_id|>"  # the Llama 3 template trims each content
     for row, (ids, mask) in zip(ROWS, docs):
         messages = as_messages(row.get("messages", row))

@@ -27,6 +27,7 @@ GENERATE_EXAMPLES = """examples:
   zerodp generate runs/tiny --prompt 'def main(' --max-new-tokens 200
   zerodp generate runs/llama-mine/checkpoints/step_00000500 --prompt 'Once upon a time' --temperature 0
   zerodp generate exports/llama-hf --prompt 'The' --top-k 0 --seed 3 --device cuda
+  zerodp generate runs/sft-llama --chat 'What does def do in Python?' --temperature 0
 """
 
 EVAL_EXAMPLES = """examples:
@@ -46,6 +47,8 @@ def add_parsers(subparsers) -> None:
                    help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
     g.add_argument("--prompt", default=None,
                    help="text to continue (default: the start of a new document, as the end-of-run sample)")
+    g.add_argument("--chat", default=None, metavar="MESSAGE",
+                   help="a user message: rendered with the run's chat template, the answer printed (zerodp.cli.chat)")
     g.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="tokens to generate (default 100)")
     g.add_argument("--temperature", type=float, default=0.8, metavar="T",
                    help="softmax temperature (default 0.8); 0 takes the most likely token every time")
@@ -60,7 +63,9 @@ def add_parsers(subparsers) -> None:
         description="Load a checkpoint on one process and compute the mean cross-entropy (and its exp, the "
                     "perplexity) over the validation split: a `zerodp prepare` folder's val.bin, or the last "
                     "data.val_fraction of another source, cut into consecutive windows of model.block_size "
-                    "tokens. The data is the run's own data.source unless an override names another.",
+                    "tokens; with a loss mask (zerodp prepare --chat) over the target tokens only, their "
+                    "losses' sum over their count. The data is the run's own data.source unless an override "
+                    "names another.",
         epilog=EVAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("path", metavar="PATH",
                    help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
@@ -213,6 +218,10 @@ def run_generate(args) -> int:
     if args.top_k < 0 or args.temperature < 0:
         raise UserError("--top-k and --temperature cannot be negative (0 means: all tokens / the most likely one)")
     _not_a_dataset(args.path, "generate")
+    if args.chat is not None:
+        from zerodp.cli.chat import run_chat
+
+        return run_chat(args)
     import torch  # after the checks of the arguments alone: those fail at once, not after torch's import
 
     from zerodp.api import model_from_source
@@ -300,12 +309,15 @@ def run_eval(args) -> int:
         model = model_from_source(source, device)
     if isinstance(tokens, Mixture):  # each source's val.bin, and their mean by weight
         splits = [(p.name, p.weight, p.data.val, p.data.folder / "val.bin") for p in tokens.parts]
+        masks = [p.data.val_mask for p in tokens.parts]
     elif isinstance(tokens, PreparedTokens):
-        splits = [(None, 1.0, tokens.val, tokens.folder / "val.bin")]
+        splits, masks = [(None, 1.0, tokens.val, tokens.folder / "val.bin")], [tokens.val_mask]
     else:
         n_val = int(len(tokens) * cfg.data.val_fraction)
         splits = [(None, 1.0, tokens[len(tokens) - n_val:], f"the last {cfg.data.val_fraction:g} of {cfg.data.source}")]
-    results = [_eval_split(model, split, where, args, device) for _, _, split, where in splits]
+        masks = [None]
+    results = [_eval_split(model, split, mask, where, args, device)
+               for (_, _, split, where), mask in zip(splits, masks)]
     if len(results) == 1:
         result = results[0]
     else:
@@ -317,20 +329,23 @@ def run_eval(args) -> int:
         print(json.dumps(result))
         return 0
     for (name, weight, _, where), r in zip(splits, results):
+        targets = f", {r['targets']:,} of them targets" if r["targets"] != r["tokens"] else ""
         print(("" if name is None else f"{name} (weight {weight:g}): ") + f"val_loss {r['val_loss']:.4f}  perplexity "
-              f"{r['perplexity']:.3f}  ({r['tokens']:,} tokens: {r['windows']:,} windows of {model.arch.block_size} "
-              f"from {where})")
+              f"{r['perplexity']:.3f}  ({r['tokens']:,} tokens{targets}: {r['windows']:,} windows of "
+              f"{model.arch.block_size} from {where})")
     if len(results) > 1:
         print(f"val_loss {result['val_loss']:.4f}  perplexity {result['perplexity']:.3f}  (the sources' mean by "
               f"weight)")
     return 0
 
 
-def _eval_split(model, split, where, args, device) -> dict:
-    """The mean loss over the consecutive windows of `split` (its first --max-tokens)."""
-    import numpy as np
+def _eval_split(model, split, mask, where, args, device) -> dict:
+    """The loss over the target tokens of the consecutive windows of `split` (its first --max-tokens): the
+    sum of their losses over their number (every token where the split has no loss `mask`)."""
     import torch
     from tqdm import tqdm
+
+    from zerodp.trainer.validate import target_sums, windows_batch
 
     if args.max_tokens is not None:
         split = split[: max(0, args.max_tokens) + 1]
@@ -339,16 +354,20 @@ def _eval_split(model, split, where, args, device) -> dict:
     if windows < 1:
         raise UserError(f"the validation split ({where}) has {len(split)} tokens, fewer than one window of "
                         f"model.block_size+1={T + 1}; prepare with a larger --val-fraction")
-    total, bar = 0.0, tqdm(total=windows, desc="eval", unit="window", file=sys.stderr,
-                           disable=args.no_progress or not sys.stderr.isatty())
+    total, targets = 0.0, 0
+    bar = tqdm(total=windows, desc="eval", unit="window", file=sys.stderr,
+               disable=args.no_progress or not sys.stderr.isatty())
     with torch.no_grad(), _autocast(device, args.precision):
         for first in range(0, windows, args.batch_size):
             rows = range(first, min(windows, first + args.batch_size))
-            buf = torch.from_numpy(np.stack([np.asarray(split[r * T : r * T + T + 1], dtype=np.int64) for r in rows]))
-            loss = model(buf[:, :-1].to(device), buf[:, 1:].to(device))  # mean over len(rows) * T tokens
-            total += loss.item() * len(rows)
+            x, y = windows_batch(split, mask, rows, T)
+            s, n = target_sums(model(x.to(device), y.to(device)), y)  # the model: the mean over the targets
+            total, targets = total + float(s), targets + n
             bar.update(len(rows))
     bar.close()
-    loss = total / windows
-    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": windows * T, "windows": windows,
-            "source": str(where)}
+    if targets == 0:
+        raise UserError(f"the validation split ({where}) holds no target tokens in its first {windows * T:,} tokens "
+                        f"(its loss mask is all 0); evaluate more of it (--max-tokens) or prepare with --train-on all")
+    loss = total / targets
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": windows * T, "targets": targets,
+            "windows": windows, "source": str(where)}

@@ -103,6 +103,11 @@ class DataConfig:
     """Attention stays within each document of a packed sample, and positions restart at 0 at each one
     (after every end-of-text token), so a packed sample trains as its documents alone would. The kernel
     is model.document_attention's; the planner counts the mask (docs/models.md, docs/memory_model.md)."""
+    packing: bool = True
+    """Pack documents end to end into samples of block_size + 1 tokens (with document_masking, none
+    attends to another). false: one document per sample (a conversation of `zerodp prepare --chat`),
+    cut at block_size + 1 tokens and padded, the padding never a target; needs a prepare folder with a
+    document index (docs/fine_tuning.md)."""
 
 
 @dataclass

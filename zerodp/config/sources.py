@@ -76,3 +76,20 @@ def check_sources(data) -> None:
     if twice is not None:
         raise ConfigError(f"data.sources has two sources named {twice!r}; give one a name: {{path: ..., weight: ..., "
                           f"name: {twice}2}}")
+
+
+def check_unpacked(data) -> None:
+    """data.packing=false reads one document a sample from a prepare folder's document index: every
+    source must be a `zerodp prepare` folder whose meta.json lists train.idx. ConfigError otherwise."""
+    from zerodp.errors import ConfigError
+
+    paths = [p for _, p, _ in source_entries(data)] or [data.source]
+    for path in paths:
+        meta = prepared_meta(path)
+        if meta is None:
+            raise ConfigError(f"data.packing=false reads one conversation a sample from a zerodp prepare folder, and "
+                              f"{path} is none; run zerodp prepare --chat and point data.source at its folder, or "
+                              f"set data.packing=true")
+        if not ((meta.get("splits") or {}).get("train") or {}).get("index"):
+            raise ConfigError(f"data.packing=false needs the document index (train.idx) of {path}, prepared before "
+                              f"zerodp prepare wrote one; prepare it again, or set data.packing=true")

@@ -20,7 +20,7 @@ from zerodp.config.schema import (
     StrategyConfig,
     TrainConfig,
 )
-from zerodp.config.sources import check_sources
+from zerodp.config.sources import check_sources, check_unpacked
 from zerodp.errors import ConfigError
 
 
@@ -80,6 +80,8 @@ def check_data(d: DataConfig) -> None:
     _positive("data.max_bytes", d.max_bytes)
     check_sources(d)
     _non_negative("data.prefetch", d.prefetch)
+    if not d.packing:
+        check_unpacked(d)
 
 
 def check_optim(o: OptimConfig) -> None:

@@ -21,8 +21,6 @@ from pathlib import Path
 import torch
 
 from zerodp.checkpoint.safe_output import staged
-
-# check_destination, convert_output_kind and parse_size stay part of this module's API
 from zerodp.convert.destination import (  # noqa: F401
     HF_CONFIG,
     INDEX,
@@ -31,6 +29,9 @@ from zerodp.convert.destination import (  # noqa: F401
     convert_output_kind,
     parse_size,
 )
+
+# check_destination, convert_output_kind and parse_size stay part of this module's API
+from zerodp.convert.hf_tokenizer import recorded_tokenizer, with_chat_files
 from zerodp.convert.source import (
     MOMENTS,
     CheckpointSource,
@@ -220,11 +221,12 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     check_destination(dst, "hf", overwrite, _read_paths(source))
     tied = {to_hf(a.family, alias)[0]: to_hf(a.family, stored)[0] for alias, stored in a.tied_weights().items()}
     metadata = _source_metadata(source, "hf", tied, {"model": model})
-    tokenizer_files = _tokenizer_files(source)
+    tokenizer_files = recorded_tokenizer(source.meta)
+    config.update(_special_ids(source, bool(tokenizer_files)))
+    tokenizer_files = with_chat_files(tokenizer_files, source.meta, config)  # template, generation_config.json
     if tokenizer_files:  # what lets --overwrite recognise them as ours (convert_output_kind)
         metadata["zerodp.tokenizer_files"] = json.dumps(
             {n: hashlib.sha256(d).hexdigest() for n, d in tokenizer_files.items()}, sort_keys=True)
-    config.update(_special_ids(source, bool(tokenizer_files)))
 
     hf_order = [h for shard in shards.values() for h in shard]
     stored_of = {h: state.stored_name(back[h][0]) for h in hf_order}
@@ -269,38 +271,17 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
 
 def _special_ids(source: CheckpointSource, with_tokenizer: bool) -> dict:
     """config.json's bos/eos token ids: a Hugging Face source's own, else for an export that carries the
-    run's tokenizer its end-of-text id as eos (text generation then stops at a document's end)."""
+    run's tokenizer its end-of-text id as eos (text generation then stops at a document's end), or for
+    chat data the template's end-of-turn id."""
     hf = source.meta.get("hf_config") or {}
     ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None}
-    eot = (source.meta.get("tokenizer") or {}).get("eot_id")
+    rec = source.meta.get("tokenizer") or {}
+    eot = rec.get("eot_id", None)
+    if eot is None:  # chat data: no separator, the template's end-of-turn ends an answer
+        eot = (rec.get("chat") or {}).get("end_of_turn_id")
     if "eos_token_id" not in ids and with_tokenizer and eot is not None:
         ids["eos_token_id"] = int(eot)
     return ids
-
-
-def _tokenizer_files(source: CheckpointSource) -> dict[str, bytes]:
-    """{file name: bytes} of the tokenizer the checkpoint records (meta "tokenizer": {path, sha256},
-    written by training on a `zerodp prepare` folder): its tokenizer.json, and the tokenizer_config.json
-    beside it if there is one. A tokenizer gone or changed since training is said on stderr and left out:
-    the weights are still exported."""
-    rec = source.meta.get("tokenizer") or {}
-    if not rec.get("path"):
-        return {}
-    path = Path(rec["path"])
-    if not path.is_file():
-        print(f"zerodp: tokenizer {path} (recorded by the checkpoint) not found; the export has no tokenizer.json",
-              file=sys.stderr)
-        return {}
-    data = path.read_bytes()
-    if rec.get("sha256") and hashlib.sha256(data).hexdigest() != rec["sha256"]:
-        print(f"zerodp: tokenizer {path} changed since training (sha256 differs); the export has no tokenizer.json",
-              file=sys.stderr)
-        return {}
-    found = {TOKENIZER_FILES[0]: data}
-    config = path.parent / TOKENIZER_FILES[1]
-    if config.is_file():
-        found[TOKENIZER_FILES[1]] = config.read_bytes()
-    return found
 
 
 def write_zerodp(source: CheckpointSource, dst: str | Path, step: int | None = None, progress: bool = True,

@@ -14,6 +14,10 @@ within row r from 0 (zerodp.data.samples.doc_ids). The loop calls model(*micro_b
 A source with a loss mask (`zerodp prepare --chat`'s train.mask/val.mask: 1 where a token is a target)
 gives y[r, t] = IGNORE_INDEX where the token it holds, token t + 1 of the sample, is not a target:
 F.cross_entropy skips it (its ignore_index defaults to -100) and the loss is the mean over the targets.
+
+data.packing=false: sample i is document i of the split's document index (a conversation of `zerodp
+prepare --chat`), its first block_size + 1 tokens, padded with id 0 to that length; y is IGNORE_INDEX
+over the padding (and where the mask says no target), so padding is never a target.
 """
 
 from __future__ import annotations
@@ -101,8 +105,18 @@ class TokenBatches:
         self.block, self.split = cfg.model.block_size, split
         self.streams = _streams(tokens, cfg, split)
         split_id = 0 if split == "train" else 1
-        self.index = [SampleIndex(len(s.tokens), self.block, [cfg.train.seed, split_id, d])
-                      for d, s in enumerate(self.streams)]
+        self.packing = cfg.data.packing
+        if not self.packing:
+            lacking = next((s for s in self.streams if s.index is None or not len(s.index)), None)
+            if lacking is not None:
+                raise UserError(f"data.packing=false takes one document a sample from the document index, and "
+                                f"{lacking.where} has none; prepare it again with zerodp prepare, or set "
+                                f"data.packing=true")
+            self.index = [SampleIndex.of_documents(len(s.index), self.block, [cfg.train.seed, split_id, d])
+                          for d, s in enumerate(self.streams)]
+        else:
+            self.index = [SampleIndex(len(s.tokens), self.block, [cfg.train.seed, split_id, d])
+                          for d, s in enumerate(self.streams)]
         self.blend = Blend([s.weight for s in self.streams]) if len(self.streams) > 1 else None
         self.bases = np.cumsum([0] + [len(s.tokens) for s in self.streams[:-1]]).astype(np.int64)
         self._readers = [RangeReader(s.tokens) for s in self.streams]
@@ -146,10 +160,12 @@ class TokenBatches:
         else:
             source, within = self.blend.assign(positions)
         sample = np.empty(rows, dtype=np.int64)
+        start = np.empty(rows, dtype=np.int64)
         for d in np.unique(source):
             mask = source == d
             sample[mask] = self.index[d].samples(within[mask])
-        return Located(source, sample, sample * self.block)
+            start[mask] = sample[mask] * self.block if self.packing else self.streams[d].index[sample[mask]]
+        return Located(source, sample, start)
 
     def epochs(self, steps: int, rows: int) -> list[float]:
         """Epochs each source has completed after `steps` global batches of `rows` samples."""
@@ -170,14 +186,16 @@ class TokenBatches:
         offsets = np.asarray(offsets, dtype=np.int64)
         source = np.searchsorted(self.bases, offsets, side="right") - 1
         local = offsets - self.bases[source]
-        buf = np.stack([self._readers[d].read(o, T + 1).astype(np.int64)
-                        for d, o in zip(source.tolist(), local.tolist())])  # (B, T+1)
+        lengths = self._lengths(source, local)
+        buf = np.zeros((len(offsets), T + 1), dtype=np.int64)  # (B, T+1); unpacked rows padded with id 0
+        for r, (d, o, n) in enumerate(zip(source.tolist(), local.tolist(), lengths.tolist())):
+            buf[r, :n] = self._readers[d].read(o, n)
         t = torch.from_numpy(buf)
         if pin:
             t = t.pin_memory()
         x, y = t[:, :-1], t[:, 1:]
-        if any(self.streams[d].mask is not None for d in np.unique(source).tolist()):
-            y = torch.from_numpy(self._masked_targets(buf, source, local))
+        if not self.packing or any(self.streams[d].mask is not None for d in np.unique(source).tolist()):
+            y = torch.from_numpy(self._masked_targets(buf, source, local, lengths))
             y = y.pin_memory() if pin else y
         if not self.with_doc_ids:
             return x, y
@@ -188,15 +206,33 @@ class TokenBatches:
         ids = torch.from_numpy(ids)
         return x, y, ids.pin_memory() if pin else ids
 
-    def _masked_targets(self, buf: np.ndarray, source: np.ndarray, local: np.ndarray) -> np.ndarray:
+    def _masked_targets(self, buf: np.ndarray, source: np.ndarray, local: np.ndarray,
+                        lengths: np.ndarray) -> np.ndarray:
         """y of the rows in `buf` (B, T+1) with IGNORE_INDEX where the token y holds is no target: y[r, t] is
-        token t + 1 of the sample, so its mask is the mask's entry t + 1."""
+        token t + 1 of the sample, so its mask is the mask's entry t + 1; past a row's `lengths` (the
+        padding of an unpacked row) no token is one."""
         T, y = self.block, buf[:, 1:].copy()
-        for r, (d, o) in enumerate(zip(source.tolist(), local.tolist())):
+        for r, (d, o, n) in enumerate(zip(source.tolist(), local.tolist(), lengths.tolist())):
             mask = self.streams[d].mask
             if mask is not None:
-                y[r, self._mask_readers[d].read(o + 1, T) == 0] = IGNORE_INDEX
+                keep = np.zeros(T, dtype=bool)
+                keep[: n - 1] = self._mask_readers[d].read(o + 1, n - 1) != 0
+                y[r, ~keep] = IGNORE_INDEX
+            y[r, n - 1 :] = IGNORE_INDEX
         return y
+
+    def _lengths(self, source: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """The real tokens of each row (int64): T + 1, or for an unpacked row its document's length up to
+        T + 1 (the document ends where the next one starts)."""
+        out = np.full(len(local), self.block + 1, dtype=np.int64)
+        if self.packing:
+            return out
+        for d in np.unique(source):
+            rows, index = source == d, self.streams[d].index
+            nxt = np.searchsorted(index, local[rows], side="right")
+            ends = np.where(nxt < len(index), index[np.minimum(nxt, len(index) - 1)], len(self.streams[d].tokens))
+            out[rows] = np.minimum(out[rows], ends - local[rows])
+        return out
 
     def rank_micro_batches(self, step: int, global_batch: int, micro: int, rank: int, world: int,
                            pin: bool = False) -> MicroBatches:
@@ -207,7 +243,7 @@ class TokenBatches:
         offsets = self.offsets(step, global_batch)
         mine = offsets[rank * per_rank : (rank + 1) * per_rank]
         out = MicroBatches(self.rows(mine[i : i + micro], pin) for i in range(0, per_rank, micro))
-        if any(s.mask is not None for s in self.streams):
+        if not self.packing or any(s.mask is not None for s in self.streams):
             counts = self.target_counts(offsets)  # every row of the global batch: no collective needed
             total, parts = int(counts.sum()), global_batch // micro  # parts: world x accumulation
             mine = counts[rank * per_rank : (rank + 1) * per_rank].reshape(-1, micro).sum(axis=1)
@@ -217,16 +253,15 @@ class TokenBatches:
 
     def target_counts(self, offsets: np.ndarray) -> np.ndarray:
         """The number of target tokens (y not IGNORE_INDEX) of each row at `offsets` (int64): T where its
-        source has no loss mask."""
-        T = self.block
+        source has no loss mask (for an unpacked row, its real tokens less one)."""
         offsets = np.asarray(offsets, dtype=np.int64)
         source = np.searchsorted(self.bases, offsets, side="right") - 1
         local = offsets - self.bases[source]
-        out = np.full(len(offsets), T, dtype=np.int64)
-        for r, (d, o) in enumerate(zip(source.tolist(), local.tolist())):
+        out = self._lengths(source, local) - 1
+        for r, (d, o, n) in enumerate(zip(source.tolist(), local.tolist(), out.tolist())):
             mask = self.streams[d].mask
             if mask is not None:
-                out[r] = int(np.count_nonzero(self._mask_readers[d].read(o + 1, T)))
+                out[r] = int(np.count_nonzero(self._mask_readers[d].read(o + 1, n)))
         return out
 
 

@@ -46,12 +46,12 @@ class ChatTemplate:
     specials: dict  # bos_token, eos_token, ... as the template sees them
     template: object = None  # the compiled jinja2 Template
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         import jinja2
 
         try:
-            return self.template.render(messages=messages, tools=None, documents=None, add_generation_prompt=False,
-                                        **self.specials)
+            return self.template.render(messages=messages, tools=None, documents=None,
+                                        add_generation_prompt=add_generation_prompt, **self.specials)
         except jinja2.TemplateError as e:
             raise Refused(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
@@ -233,3 +233,38 @@ def token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> 
         if end > spans[k][0] and end > start:
             out[t] = 1
     return out
+
+
+def end_of_turn(tpl: ChatTemplate, tokenizer) -> tuple[str | None, int | None]:
+    """(text, id) of the token the template ends an assistant turn with (ChatML's `<|im_end|>`, Llama 3's
+    `<|eot_id|>`): what it writes after a turn's content, trailing whitespace left out, when that is one
+    token of `tokenizer` (a tokenizers.Tokenizer); else the template's eos_token if it is one; else
+    (None, None). Generation stops there (generation_config.json's eos_token_id)."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Fine"}]
+    candidates = []
+    try:
+        before, after = tpl.render(probe[:1]), tpl.render(probe)
+        turn = after[len(before):] if after.startswith(before) else after
+        at = turn.rfind("Fine")
+        if at >= 0:
+            candidates.append(turn[at + len("Fine"):].rstrip())
+    except Refused:
+        pass
+    candidates.append(tpl.specials.get("eos_token"))
+    for text in candidates:
+        if text:
+            ids = tokenizer.encode(text, add_special_tokens=False).ids
+            if len(ids) == 1:
+                return text, ids[0]
+    return None, None
+
+
+def chat_record(meta: dict | None) -> dict | None:
+    """What a checkpoint records of a `zerodp prepare --chat` folder's template (its meta.json `chat`):
+    {"template": the Jinja text, "specials": its bos_token etc., "end_of_turn": token, "end_of_turn_id": id};
+    None for other data."""
+    chat = (meta or {}).get("chat") or {}
+    if not chat.get("template_text"):
+        return None
+    return {"template": chat["template_text"], "specials": chat.get("template_specials") or {},
+            "end_of_turn": chat.get("end_of_turn"), "end_of_turn_id": chat.get("end_of_turn_id")}

@@ -28,7 +28,16 @@ import numpy as np
 from zerodp import __version__
 from zerodp.checkpoint.safe_output import check_output, staged
 from zerodp.config.sources import FORMAT, META
-from zerodp.data.chat import TRAIN_ON, NotAConversation, Refused, conversation, load_template, target_spans, token_mask
+from zerodp.data.chat import (
+    TRAIN_ON,
+    NotAConversation,
+    Refused,
+    conversation,
+    end_of_turn,
+    load_template,
+    target_spans,
+    token_mask,
+)
 from zerodp.data.sources import find_sources, records, sources_meta
 from zerodp.data.tokenizer import load_tokenizer
 from zerodp.errors import UserError
@@ -109,7 +118,10 @@ def prepare_chat(opts, not_replaceable) -> dict:
                            "index": {"file": f"{s}.idx", "dtype": "int64", "of": "each conversation's first token"},
                            "mask": {"file": f"{s}.mask", "dtype": "uint8", "of": "1 where the token is a target"}}
                        for s in SPLITS},
-            "chat": {"template": tpl.source, "template_sha256": _sha(tpl.text), "train_on": opts.train_on,
+            "chat": {"template": tpl.source, "template_sha256": _sha(tpl.text), "template_text": tpl.text,
+                     "template_specials": tpl.specials,
+                     **dict(zip(("end_of_turn", "end_of_turn_id"), end_of_turn(tpl, tok.tokenizer))),
+                     "train_on": opts.train_on,
                      "max_len": opts.max_len, "too_long": opts.too_long, "rows": rows, "skipped": skipped,
                      "truncated": truncated,
                      "fields": dict(zip(("messages", "prompt", "response"), fields))},

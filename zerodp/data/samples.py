@@ -50,6 +50,13 @@ class SampleIndex:
         self.n = max(0, (tokens - 1) // block)
         self._epoch, self._perm = -1, None
 
+    @classmethod
+    def of_documents(cls, documents: int, block: int, key: list[int]) -> SampleIndex:
+        """One sample per document (data.packing=false): sample i is document i of the split."""
+        index = cls(0, block, key)
+        index.n = documents
+        return index
+
     def permutation(self, epoch: int) -> np.ndarray:
         """Epoch `epoch`'s order: a permutation of range(n) (int32 below 2^31 samples), built on first
         use and kept until another epoch is asked for."""

@@ -19,8 +19,9 @@ from zerodp.checkpoint.checkpointer import Checkpointer
 from zerodp.config import Config, dump_yaml
 from zerodp.config.sources import primary_source
 from zerodp.data.batches import TokenBatches, prefetch, prepared_meta
+from zerodp.data.chat import chat_record
 from zerodp.distributed import determinism
-from zerodp.distributed.process_group import DistEnv, all_gather_floats, init_distributed
+from zerodp.distributed.process_group import DistEnv, init_distributed
 from zerodp.models import build_model, compile_blocks, param_count
 from zerodp.optim.schedules import lr_at
 from zerodp.resilience.preemption import Preemption
@@ -41,16 +42,18 @@ from zerodp.trainer.preflight import (
 )
 from zerodp.trainer.records import Records, log
 from zerodp.trainer.sample import sample
+from zerodp.trainer.validate import evaluate
 
 
 def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, model: torch.nn.Module) -> dict:
     """What conversion and resume need to know about a checkpoint, besides its files; for a `zerodp
     prepare` folder also the tokenizer its meta.json names ({path, sha256, eot_id, special_tokens}),
-    which `zerodp convert --to hf` copies into the export and `zerodp generate` encodes and decodes with."""
+    which `zerodp convert --to hf` copies into the export and `zerodp generate` encodes and decodes with,
+    and for a `zerodp prepare --chat` folder its chat template and end-of-turn id (zerodp.data.chat.chat_record)."""
     prepared = prepared_meta(primary_source(cfg.data))  # a mixture's sources share its tokenizer
     tokenizer = {**{k: (prepared.get("tokenizer") or {}).get(k) for k in ("path", "sha256")},
-                 "eot_id": prepared.get("eot_id"), "special_tokens": prepared.get("special_tokens", True)} \
-        if prepared else None
+                 "eot_id": prepared.get("eot_id"), "special_tokens": prepared.get("special_tokens", True),
+                 **({"chat": chat_record(prepared)} if chat_record(prepared) else {})} if prepared else None
     return {
         **({"tokenizer": tokenizer} if tokenizer and tokenizer["path"] else {}),
         "strategy": strategy_name,
@@ -323,29 +326,6 @@ def model_inputs(batch: tuple, device: torch.device, non_blocking: bool = True) 
     """A micro batch on `device`, as the model takes it: (x, y), or (x, y, doc_ids) when
     zerodp.data.batches adds document ids (data.document_masking with a document index)."""
     return tuple(t.to(device, non_blocking=non_blocking) for t in batch)
-
-
-@torch.no_grad()
-def evaluate(strategy, val_data: TokenBatches, cfg: Config, env: DistEnv) -> dict[str, float]:
-    """Mean validation loss over eval_batches micro batches per rank, averaged over ranks: {"val_loss"},
-    and for a mixture the loss of each source ("val_loss/<name>") with val_loss their weighted mean."""
-    strategy.model.eval()
-    micro, sources = cfg.train.micro_batch_size, val_data.per_source()
-    totals = torch.zeros(len(sources), device=env.device)
-    for j, (_, data) in enumerate(sources):
-        for i in range(cfg.train.eval_batches):
-            # Fixed validation batches: step index i of the validation split.
-            batch = data.rank_micro_batches(i, micro * env.world_size, micro, env.rank, env.world_size)[0]
-            with strategy.autocast():
-                totals[j] += strategy.model(*model_inputs(batch, env.device, non_blocking=False)).float()
-    strategy.model.train()
-    vals = all_gather_floats((totals / cfg.train.eval_batches).tolist())
-    losses = [sum(v[j] for v in vals) / env.world_size for j in range(len(sources))]
-    if len(sources) == 1:
-        return {"val_loss": losses[0]}
-    weights = [s.weight for s in val_data.streams]
-    blended = sum(w * loss for w, loss in zip(weights, losses)) / sum(weights)
-    return {"val_loss": blended, **{f"val_loss/{name}": loss for (name, _), loss in zip(sources, losses)}}
 
 
 def _set_aside_earlier_run(env: DistEnv, out_dir: Path, names: list[str]) -> None:

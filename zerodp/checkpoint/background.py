@@ -135,8 +135,9 @@ class Background:
         if reached.item() == 2:
             self._publish()
 
-    def wait(self) -> None:
-        """Collective (main thread): let the save in flight finish, then publish it (or raise)."""
+    def wait(self, counted: bool = True) -> None:
+        """Collective (main thread): let the save in flight finish, then publish it (or raise);
+        `counted`: the wait is a save step's for the previous save (waited_s), not a save's own."""
         if self.flight is None:
             return
         t0 = time.perf_counter()
@@ -145,7 +146,8 @@ class Background:
         self.flight.go_hash.set()
         self.flight.done.wait()
         dist.barrier(group=self.group)
-        self.waited_s += time.perf_counter() - t0
+        if counted:
+            self.waited_s += time.perf_counter() - t0
         self._publish()
 
     def _publish(self) -> None:

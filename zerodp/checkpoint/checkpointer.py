@@ -70,17 +70,20 @@ class Checkpointer:
     def save(self, step: int, trainer_state: dict) -> Path:
         """Collective: publish the checkpoint of step `step`, then apply retention; return its folder.
 
-        With background saves, a save in flight is finished first; a save at a checkpoint.every step
-        that is not the last then only takes its snapshot (published by a later `due`, `save` or
-        `finish`); the last one and a preemption's are written before this returns."""
+        With background saves every checkpoint goes through the background writer (so an async run's
+        checkpoints are all its files): a save in flight is finished first; a save at a
+        checkpoint.every step that is not the last then only takes its snapshot (published by a later
+        `due`, `save` or `finish`); the last one and a preemption's are published before this returns."""
         self.busy = True  # a signal now waits for the save (within the grace period)
         t0 = time.perf_counter()
         try:
-            if self.background is not None:
-                self.background.wait()
-                if step != self.max_steps and self.every and step % self.every == 0:
-                    return self.background.start(step, trainer_state)
-            return store.save(self.strategy, self.out_dir, step, trainer_state, self.meta, self.keep_last)
+            if self.background is None:
+                return store.save(self.strategy, self.out_dir, step, trainer_state, self.meta, self.keep_last)
+            self.background.wait()  # the previous one (counted as waited_s)
+            final = self.background.start(step, trainer_state)
+            if step == self.max_steps or not (self.every and step % self.every == 0):
+                self.background.wait(counted=False)
+            return final
         finally:
             self.save_s += time.perf_counter() - t0
             self.busy = False

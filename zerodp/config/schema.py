@@ -270,8 +270,9 @@ class CheckpointConfig:
     async_save: bool = False
     """Save in the background: each rank copies what a save writes into host memory (one copy of its
     checkpoint, reused from save to save) and training continues while a thread writes and hashes it;
-    `latest` moves only once every rank's files are complete. The end-of-run and preemption saves stay
-    synchronous. Off by default: it costs that host memory per rank (docs/checkpoints.md)."""
+    `latest` moves only once every rank's files are complete. The end-of-run and preemption saves go
+    through the same writer and are waited for. Off by default: it costs that host memory per rank
+    (docs/checkpoints.md)."""
 
 
 @dataclass

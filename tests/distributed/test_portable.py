@@ -1,4 +1,5 @@
-"""Checkpoints that move: resume under another strategy and world size, and start from weights."""
+"""Checkpoints that move: resume under another strategy and world size (saved synchronously or by the
+background writer), and start from weights."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from zerodp.models import build_model
 # recomputation must not change what is saved or resumed)
 MOVES = [("gpt2", "zero2", 2, "fsdp", 1), ("gpt2", "fsdp", 2, "zero3", 3), ("gpt2", "ddp", 1, "zero1", 2),
          ("gpt2", "zero3", 2, "ddp", 2), ("llama", "zero3", 2, "fsdp", 3)]
+# Saved by the background writer (checkpoint.async_save), the others synchronously: zero3 both ways
+BACKGROUND = {("gpt2", "zero2"), ("gpt2", "fsdp"), ("gpt2", "zero3")}
 MODELS = {"gpt2": [], "llama": LLAMA + ["model.activation_checkpointing=true"]}
 
 
@@ -33,7 +36,8 @@ def test_resume_across_strategies_and_world_sizes(tiny, tmp_path):
     launches: dict[tuple[int, int], list[dict]] = {}
     for model, src, w1, _, _ in MOVES:
         launches.setdefault((save_turn[w1], w1), []).append({"overrides": over[model] + [
-            f"strategy.name={src}", "train.max_steps=3", f"train.out_dir={tmp_path / f'{model}-{src}'}"]})
+            f"strategy.name={src}", "train.max_steps=3", f"checkpoint.async_save={(model, src) in BACKGROUND}",
+            f"train.out_dir={tmp_path / f'{model}-{src}'}"]})
     for model, src, _, dst, w2 in MOVES:
         launches.setdefault((resume_turn[w2], w2), []).append({"overrides": over[model] + [
             f"strategy.name={dst}", f"train.out_dir={tmp_path / f'{model}-{src}'}"], "fresh": False})

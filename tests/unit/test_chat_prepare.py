@@ -207,6 +207,49 @@ def test_a_malformed_line_and_a_missing_template_are_one_line_exit_2(tmp_path, m
                                tmp_path / "missing.jinja"), r"--chat-template .*missing\.jinja not found")
 
 
+BAD_INPUTS = {
+    "--max-len": (["good.jsonl", "--max-len", "1"], r"--max-len 1 must be at least 2 tokens"),
+    "--val-fraction": (["good.jsonl", "--val-fraction", "1"], r"--val-fraction 1\.0 must be in \[0, 1\)"),
+    "text file": (["a.txt"], r"a\.txt is a text file; --chat reads conversations from JSONL"),
+    "no rows": (["blank.jsonl"], r"blank\.jsonl holds no rows; give files that hold conversations"),
+    "no conversation": (["none.jsonl"], r"no conversation reached train\.bin \(1 rows; 1 not a conversation\); "
+                                        r"check the rows' fields"),
+    "template syntax": (["good.jsonl", "--chat-template", "bad.jinja"],
+                        r"the chat template of .*bad\.jinja is not valid Jinja \(line 1: "),
+    "template json": (["good.jsonl", "--chat-template", "plain.json"],
+                      r"--chat-template .*plain\.json is JSON without a chat_template string"),
+    "tokenizer_config": (["good.jsonl", "--tokenizer", "broken"], r"tokenizer_config\.json is not JSON \("),
+    "--train-on": (["good.jsonl", "--train-on", "answers"], r"argument --train-on: invalid choice: 'answers'"),
+    "--too-long": (["good.jsonl", "--too-long", "cut"], r"argument --too-long: invalid choice: 'cut'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_chat_inputs_are_one_line_exit_2(tmp_path, tok_file, capsys, case):
+    args, pattern = BAD_INPUTS[case]
+    (tmp_path / "tok").mkdir()
+    shutil.copy(tok_file, tmp_path / "tok" / "tokenizer.json")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    (tmp_path / "broken").mkdir()
+    shutil.copy(tok_file, tmp_path / "broken" / "tokenizer.json")
+    (tmp_path / "broken" / "tokenizer_config.json").write_text("{not json")
+    write_rows(tmp_path / "good.jsonl", ROWS)
+    write_rows(tmp_path / "none.jsonl", [{"text": "no conversation"}])
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    (tmp_path / "a.txt").write_text("plain text\n")
+    (tmp_path / "bad.jinja").write_text("{% for message in messages %}")
+    (tmp_path / "plain.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    given = [str(tmp_path / a) if (tmp_path / a).exists() else a for a in args]
+    if "--tokenizer" not in given:
+        given += ["--tokenizer", str(tmp_path / "tok")]
+    try:
+        code = run(given[0], "--chat", "--out", tmp_path / "out", *given[1:])
+    except SystemExit as e:  # argparse's choices: the parser's own one line and exit 2
+        code = e.code
+    one_line_error(capsys, code, pattern)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_samples_y_is_ignore_index_exactly_at_the_non_targets(tmp_path, model, tiny):
     import torch
     import torch.nn.functional as F

@@ -11,7 +11,9 @@ with accumulation 2 train on a prepared folder (documents of 3 to 45 tokens, so 
 packs several) with data.document_masking on and a loss mask: every micro batch carries doc_ids,
 attention stays inside each document and positions restart, and the step's loss is the sum of the
 global batch's target losses over its target count (zerodp.data.batches.MicroBatches' weights), under
-every strategy as in the reference's one forward over the global batch. One process
+every strategy as in the reference's one forward over the global batch; the mean of the micro batches'
+own means on the same rows differs from that loss at step 1 by more than 10x the tolerance, so a
+per-micro-batch normalisation would fail the test. One process
 group per world size runs the whole row.
 
 The same runs check the planner's communication model (docs/memory_model.md, "Communication per
@@ -41,6 +43,7 @@ from tests.support.reference import LLAMA, reference_run
 from tests.support.sampler_workers import write_prepared
 from zerodp.config import load_config
 from zerodp.data.batches import TokenBatches, load_tokens
+from zerodp.models import build_model
 from zerodp.strategies.catalog import CATALOG
 from zerodp.trainer.loop import resolve_strategy
 
@@ -73,6 +76,9 @@ def test_every_strategy_matches_single_process_adamw(tiny, tmp_path, world):
             ref = reference_run(load_config(None, over))
             if model == "llama" and accum == 2:  # and it changes the trajectory
                 assert max(abs(a - b) for a, b in zip(unmasked, ref[0])) > 1e-3, (unmasked, ref[0])
+                # a per-micro-batch mean on the same rows and split would have failed this test at step 1
+                plain = _per_micro_batch_mean(cfg, world)
+                assert abs(plain - ref[0][0]) > 10 * TOLERANCE, (plain, ref[0][0])
             for name in STRATEGIES:
                 runs.append({"overrides": over + [f"strategy.name={name}",
                                                   f"train.out_dir={tmp_path / f'{model}-{name}{accum}'}"]})
@@ -119,6 +125,17 @@ def test_every_strategy_matches_single_process_adamw(tiny, tmp_path, world):
     failures += _noise_differences(results, expected, world)
     print("\n".join(report))
     assert not failures, "\n".join(failures)
+
+
+def _per_micro_batch_mean(cfg, world: int) -> float:
+    """Step 1's loss as the mean of its world x accumulation micro batches' own target means, at the initial
+    weights: what a per-micro-batch normalisation would report on the rows each rank trains on."""
+    model = build_model(cfg.model, cfg.train.seed)
+    data = TokenBatches(load_tokens(cfg), cfg, "train")
+    with torch.no_grad():
+        losses = [model(*batch).item() for rank in range(world)
+                  for batch in data.rank_micro_batches(0, cfg.train.global_batch_size, MICRO, rank, world)]
+    return sum(losses) / len(losses)
 
 
 def _noise_differences(results: list[dict], expected: list[tuple], world: int) -> list[str]:

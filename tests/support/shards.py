@@ -37,7 +37,7 @@ SECONDS = {
     "test_portable.py": 70,
     "test_equivalence.py": 67,
     "test_replicas.py": 45,
-    "test_verify.py": 30,
+    "test_verify.py": 60,
     "test_prepared_data.py": 64,
     "test_sft.py": 60,
     "test_sample.py": 63,

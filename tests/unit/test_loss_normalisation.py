@@ -40,16 +40,20 @@ def test_the_weighted_micro_batches_give_the_global_batchs_target_mean(folder, w
     parts = G // micro  # world x accumulation
     for step in (0, 5):
         whole = model(*data.rows(data.offsets(step, G))).item()  # one forward over the global batch
-        weighted, plain, counts = 0.0, 0.0, []
+        weighted, plain, counts, weights = 0.0, 0.0, [], []
         for rank in range(world):
             batches = data.rank_micro_batches(step, G, micro, rank, world)
             assert batches.weights is not None and len(batches.weights) == len(batches)
+            weights += batches.weights
             for w, (x, y) in zip(batches.weights, batches):
                 loss = model(x, y).item()
                 weighted += w * loss / parts
                 plain += loss / parts
                 counts.append(int((y != IGNORE_INDEX).sum()))
         assert weighted == pytest.approx(whole, rel=1e-5, abs=1e-6), (step, weighted, whole)
+        # every rank knows the spread of all ranks' weights (the gradient noise scale's correction)
+        assert batches.spread == pytest.approx(float(np.mean(np.square(weights))))
+        assert (batches.spread > 1.0) == (max(counts) != min(counts))
         if max(counts) > 2 * min(counts):  # uneven micro batches: their plain mean is another number
             assert abs(plain - whole) > 1e-4, (step, plain, whole, counts)  # 10x the equivalence tests' 1e-5
 

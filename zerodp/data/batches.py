@@ -249,6 +249,8 @@ class TokenBatches:
             mine = counts[rank * per_rank : (rank + 1) * per_rank].reshape(-1, micro).sum(axis=1)
             out.weights = [int(n) * parts / total if total else 0.0 for n in mine]
             out.targets = total
+            every = counts.reshape(-1, micro).sum(axis=1) * parts / total if total else np.zeros(parts)
+            out.spread = float(np.mean(np.square(every)))
         return out
 
     def target_counts(self, offsets: np.ndarray) -> np.ndarray:
@@ -308,6 +310,9 @@ class MicroBatches(list):
     weights: list[float] | None = None
     targets: int | None = None
     """N, the target tokens of the whole global batch (metrics.jsonl's target_tokens)."""
+    spread: float = 1.0
+    """The mean of the squared weights of the step's P micro batches, every rank's (0 without targets): the
+    gradient noise scale's correction for uneven micro batches (zerodp.telemetry.grad_noise)."""
 
 
 def pin_batches(device: torch.device | None) -> bool:

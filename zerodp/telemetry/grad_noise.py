@@ -10,7 +10,18 @@ equations and the paper's unbiased estimates of both unknowns:
 
 Here B_small is one rank's micro batch (|G_small|^2: the mean over ranks and micro batches of each
 micro batch's own gradient norm squared, taken before any reduction) and B_big the global batch
-(|G_big|^2: the reduced gradient's norm squared, the step's grad_norm squared). Either estimate of one
+(|G_big|^2: the reduced gradient's norm squared, the step's grad_norm squared).
+
+Under a loss mask an example is a target token and the micro batches hold uneven numbers n_i of them:
+micro batch i's gradient reaches the hooks weighted by w_i = n_i P / N (zerodp.data.batches.MicroBatches;
+P micro batches of N targets a step), so E|w_i g_i|^2 = w_i^2 |G|^2 + w_i tr_tok / (N / P). Over the P
+micro batches, with `spread` = mean(w_i^2) (1 without a mask) and tr(Sigma) taken per sequence's worth
+of targets (tr_tok / (N / B_big)):
+
+    |G_small|^2 ~ spread |G|^2 + tr(Sigma) / B_small,    |G_big|^2 ~ |G|^2 + tr(Sigma) / B_big
+
+which spread = 1 makes the two equations above; the estimate in sequences is then the critical batch in
+target tokens over the step's targets per sequence. Either estimate of one
 step is noisy (|G|^2 may come out negative); each is smoothed by its own bias-corrected exponential
 moving average over steps and the ratio is taken of the averages.
 
@@ -40,13 +51,16 @@ class NoiseScale:
         """What a checkpoint keeps, so that a resumed run continues the average (trainer.json)."""
         return {"grad_sq": self.grad_sq, "trace": self.trace, "steps": self.steps}
 
-    def update(self, small_sq: float, big_sq: float) -> dict | None:
+    def update(self, small_sq: float, big_sq: float, spread: float = 1.0) -> dict | None:
         """Average in one step's |G_small|^2 and |G_big|^2; return the record's `grad_noise_scale`
-        ({"sequences", "tokens"}), or None while either average is not positive (the quantities are)."""
-        if math.isfinite(small_sq) and math.isfinite(big_sq):
-            bs, bb, d = self.b_small, self.b_big, self.decay
-            grad_sq = (bb * big_sq - bs * small_sq) / (bb - bs)
-            trace = (small_sq - big_sq) / (1 / bs - 1 / bb)
+        ({"sequences", "tokens"}), or None while either average is not positive (the quantities are).
+        `spread`: under a loss mask, the mean of the step's micro batches' squared loss weights (1 without
+        one); a step whose targets all sit in one micro batch (spread = B_big / B_small), or that has none
+        (0), compares no two batch sizes and is left out."""
+        bs, bb, d = self.b_small, self.b_big, self.decay
+        if math.isfinite(small_sq) and math.isfinite(big_sq) and 0 < spread < bb / bs:
+            trace = (small_sq - spread * big_sq) / (1 / bs - spread / bb)
+            grad_sq = big_sq - trace / bb
             self.grad_sq = d * self.grad_sq + (1 - d) * grad_sq
             self.trace = d * self.trace + (1 - d) * trace
             self.steps += 1

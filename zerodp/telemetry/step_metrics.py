@@ -40,6 +40,8 @@ class Pending:
     targets: int | None = None
     """The target tokens of the step's whole global batch, where a loss mask says which are (the loss is
     their mean); None without a mask (every token is one)."""
+    spread: float = 1.0
+    """The mean squared loss weight of the step's micro batches (MicroBatches.spread; 1 without a mask)."""
 
 
 def fetch_interval(pending: list[Pending], request_code: float, interval_start: float | None = None):

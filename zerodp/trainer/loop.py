@@ -214,7 +214,7 @@ class Steps:
             # Nothing below waits for the device until the sync point: the figures stay where they are.
             pending.append(Pending(done, lr, local_loss, grad_norm, timer, forward, t0 - t_end,
                                    guards.probe.launch() if guards.probe is not None else None, local_sq,
-                                   getattr(micro_batches, "targets", None)))
+                                   getattr(micro_batches, "targets", None), getattr(micro_batches, "spread", 1.0)))
             step_comm[done] = self.meter.record()  # counted on the host as the collectives were issued
             guards.heartbeat.beat(done)  # a write to the job's store, not a device sync
             self._say_epoch_ends(done)

@@ -56,7 +56,7 @@ class Records:
         record.update(comm)
         self.losses[p.step] = record["loss"]
         if self.noise is not None:  # the same numbers on every rank: every rank keeps the same averages
-            estimate = self.noise.update(statistics.fmean(r[6] for r in per_rank), record["grad_norm"] ** 2)
+            estimate = self.noise.update(statistics.fmean(r[6] for r in per_rank), record["grad_norm"] ** 2, p.spread)
             if estimate is not None:
                 record["grad_noise_scale"] = estimate
         return record

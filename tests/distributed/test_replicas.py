@@ -1,7 +1,9 @@
 """Replica checks (zerodp.resilience.replicas) with a real fault: one bit of one weight flipped on one
-rank of three, in the middle of a ddp run and of a zero2 run. The check after it names that rank and
-the step, the run stops before the next checkpoint (exit code 1's PeerFailure), `latest` stays the
-checkpoint from before the flip, and the step's metrics record says what was found."""
+rank of three, in the middle of a ddp run, of a zero2 run and of an HSDP run (fsdp with
+strategy.hybrid_shard, three replica groups of one rank: each holds its own copy of the shards). The
+check after it names that rank and the step, the run stops before the next checkpoint (exit code 1's
+PeerFailure), `latest` stays the checkpoint from before the flip, and the step's metrics record says
+what was found."""
 
 from __future__ import annotations
 
@@ -10,17 +12,20 @@ import pytest
 from tests.support.harness import run_distributed
 
 FLIPPED_RANK, AFTER_STEP = 1, 4  # zero2 heals a flip in its working weights at the next step: flip after a checked one
+STRATEGIES = {"ddp": ["strategy.name=ddp"], "zero2": ["strategy.name=zero2"],
+              "hsdp": ["strategy.name=fsdp", "strategy.hybrid_shard=true", "strategy.shard_group_size=1"]}
 
 
 @pytest.fixture(scope="module")
 def flipped(tiny, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("replicas")
-    runs = [{"overrides": tiny + [f"strategy.name={name}", "train.max_steps=6", "train.log_every=1",
-                                  "train.check_replicas_every=4", "checkpoint.every=2", "checkpoint.keep_last=5",
-                                  f"train.out_dir={tmp / name}"]} for name in ("ddp", "zero2")]
+    runs = [{"overrides": tiny + strategy + ["train.max_steps=6", "train.log_every=1",
+                                             "train.check_replicas_every=4", "checkpoint.every=2",
+                                             "checkpoint.keep_last=5", f"train.out_dir={tmp / name}"]}
+            for name, strategy in STRATEGIES.items()]
     results = run_distributed("tests.support.replica_workers:flip_one_bit", 3,
                               {"runs": runs, "rank": FLIPPED_RANK, "after_step": AFTER_STEP}, fresh=True)
-    return dict(zip(("ddp", "zero2"), results[0]))
+    return dict(zip(STRATEGIES, results[0]))
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +35,7 @@ def tiny():
     return list(TINY) + ["train.global_batch_size=6"]
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero2"])
+@pytest.mark.parametrize("name", list(STRATEGIES))
 def test_a_flipped_bit_is_named_and_nothing_after_it_is_saved(flipped, name):
     got = flipped[name]
     # checks after step 1 (the first sync point), 2 (a save), then 4: the save of step 4 is never written

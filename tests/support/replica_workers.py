@@ -30,8 +30,9 @@ def flip_one_bit(runs: list[dict], rank: int, after_step: int, bit: int = 0) -> 
             steps["done"] += 1
             if steps["done"] == after_step and dist.get_rank() == rank:
                 with torch.no_grad():
-                    weight = next(strategy.module.parameters())
-                    weight.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << bit)
+                    weight = next((getattr(strategy, "module", None) or strategy.model).parameters())
+                    local = weight.to_local() if hasattr(weight, "to_local") else weight  # HSDP: this rank's shard
+                    local.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << bit)
             return result
 
         loop.train_step = flipping

@@ -6,10 +6,13 @@ What is compared, by what the strategy's catalog entry says it shards (zerodp.st
 the module's parameters where parameters are not sharded (ddp: the fp32 weights; zero1/zero2: the
 engine's working weights, 16-bit or fp32), the AdamW moments where optimizer state is not sharded
 (ddp), and the data order (the step and train.seed it is a function of, with the global batch).
-Sharded state (zero3, fsdp: parameters, gradients and moments) is not compared: each rank holds its
-own shard, and the parameters the forward gathers are the same on every rank by construction (a bit
-flipped in a shard reaches every rank's gathered copy alike), so a comparison of gathered copies only
-sees a fault of the gather itself; no cheap hook is taken for that (docs/operations.md).
+Sharded state (zero3, fsdp: parameters, gradients and moments) is not compared across shards: each
+rank holds its own shard, and the parameters the forward gathers are the same on every rank by
+construction (a bit flipped in a shard reaches every rank's gathered copy alike), so a comparison of
+gathered copies only sees a fault of the gather itself; no cheap hook is taken for that
+(docs/operations.md). HSDP (fsdp with strategy.hybrid_shard) holds each shard once per replica group:
+each rank's shards of the parameters and moments are compared with the ranks that hold the same
+shards in the other replica groups (a column of the (replicate, shard) device mesh).
 
 A tensor's hash is the sum of its elements' bits read as integers (int16 or int32 views, summed in
 int64, wrapping): flipping bit k of one element moves the sum by exactly 2^k, which is never 0 modulo
@@ -38,12 +41,17 @@ def bits_hash(t: torch.Tensor) -> torch.Tensor:
 
 
 def replicated_tensors(strategy, spec_name: str) -> dict[str, torch.Tensor]:
-    """The tensors every rank holds the same copy of under strategy `spec_name`, by name: 'param/<name>'
-    where parameters are not sharded, 'exp_avg/<name>' and 'exp_avg_sq/<name>' where the optimizer's
-    state is not; {} where everything is sharded."""
+    """The tensors every rank of a replica group (`replica_groups`) holds the same copy of under strategy
+    `spec_name`, by name: 'param/<name>' where parameters are not sharded, 'exp_avg/<name>' and
+    'exp_avg_sq/<name>' where the optimizer's state is not; under HSDP this rank's shards of both; {}
+    where everything is sharded once."""
     spec = CATALOG.get(spec_name)
+    if spec is None or spec.single_process:
+        return {}
+    if "params" in spec.shards:
+        return _replica_shards(strategy) if _hybrid_mesh(strategy) is not None else {}
     module = getattr(strategy, "module", None)
-    if spec is None or spec.single_process or module is None or "params" in spec.shards:
+    if module is None:
         return {}
     out = {f"param/{n}": p for n, p in module.named_parameters()}
     optimizer = getattr(strategy, "optimizer", None)
@@ -53,6 +61,48 @@ def replicated_tensors(strategy, spec_name: str) -> dict[str, torch.Tensor]:
                 if torch.is_tensor(v := optimizer.state.get(p, {}).get(kind)):
                     out[f"{kind}/{n}"] = v
     return out
+
+
+def _hybrid_mesh(strategy):
+    """The (replicate, shard) device mesh of an HSDP model's parameters, or None."""
+    model = getattr(strategy, "model", None)
+    first = next(model.parameters(), None) if isinstance(model, torch.nn.Module) else None
+    mesh = getattr(first, "device_mesh", None)
+    return mesh if mesh is not None and mesh.mesh_dim_names == ("replicate", "shard") else None
+
+
+def _replica_shards(strategy) -> dict[str, torch.Tensor]:
+    """HSDP: this rank's shards of the parameters and AdamW moments (each replica group holds the same)."""
+    optimizer, out = getattr(strategy, "optimizer", None), {}
+    for n, p in strategy.model.named_parameters():
+        out[f"param/{n}"] = p.to_local()
+        for kind in ("exp_avg", "exp_avg_sq"):
+            v = optimizer.state.get(p, {}).get(kind) if optimizer is not None else None
+            if torch.is_tensor(v):
+                out[f"{kind}/{n}"] = v.to_local() if hasattr(v, "to_local") else v
+    return out
+
+
+def replica_groups(strategy, world_size: int) -> list[list[int]]:
+    """The sets of ranks that hold the same copy of `replicated_tensors`: every rank, or under HSDP each
+    column of the (replicate, shard) mesh (the ranks that hold one shard, one in each replica group)."""
+    mesh = _hybrid_mesh(strategy)
+    if mesh is None:
+        return [list(range(world_size))]
+    return [column.tolist() for column in mesh.mesh.t()]  # mesh.mesh: (replicas, shard group) ranks
+
+
+def odd_ones_in(hashes: list[list[int]], groups: list[list[int]]) -> tuple[list[int], list[int], bool]:
+    """`odd_ones` of column 0 (the data order) across every rank, and of the other columns within each
+    group of ranks that hold the same copy; the rank and column indices are the whole table's."""
+    ranks, columns, tied = odd_ones([h[:1] for h in hashes])
+    ranks, columns = set(ranks), set(columns)
+    for group in groups:
+        r, c, no_majority = odd_ones([hashes[k][1:] for k in group])
+        ranks.update(group[i] for i in r)
+        columns.update(j + 1 for j in c)
+        tied = tied or no_majority
+    return sorted(ranks), sorted(columns), tied
 
 
 def odd_ones(hashes: list[list[int]]) -> tuple[list[int], list[int], bool]:
@@ -103,10 +153,12 @@ class ReplicaCheck:
         names = ["data_order", *tensors]
         device = self.env.device
         order = torch.tensor([step * 1_000_003 + self.seed * 7919 + self.batch], dtype=torch.int64, device=device)
-        mine = torch.cat([order, torch.stack([bits_hash(t) for t in tensors.values()])]) if tensors else order
+        hashes = [bits_hash(t).to(device) for t in tensors.values()]  # offloaded moments hash on the host
+        mine = torch.cat([order, torch.stack(hashes)]) if tensors else order
         gathered = [torch.empty_like(mine) for _ in range(self.env.world_size)]
         dist.all_gather(gathered, mine)
-        ranks, differing, tied = odd_ones([g.tolist() for g in gathered])
+        groups = replica_groups(self.strategy, self.env.world_size)
+        ranks, differing, tied = odd_ones_in([g.tolist() for g in gathered], groups)
         if not ranks:
             return {}
         hosts = self.env.hosts

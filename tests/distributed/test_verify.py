@@ -3,9 +3,9 @@ configs of both families (configs/tiny.yaml, configs/llama-tiny.yaml at the suit
 against zero1, zero2, zero3 and fsdp follows one trajectory (exit 0); another seed or another lr does
 not (exit 1), and the line names the first step that differs: step 1 for a seed (other weights, other
 batches), step 2 for an lr (the first loss is taken before the first update). World 2 against 1
-(`--nproc 2 --against nproc=1`: verify launches each run itself, under torchrun for 2) passes on the
-llama config: 4 process starts cost about 25 s on 2 shared cores, so the gpt2 twin of that launch
-(the same code path, another model; passed by hand) is left out. The temporary runs are removed."""
+(`--nproc 2 --against nproc=1`: verify launches each run itself, under torchrun for 2) passes for
+both families: 4 process starts each, 10 to 30 s on 2 shared cores. The temporary runs are removed,
+but with --keep (llama against fsdp), which keeps both and says where."""
 
 from __future__ import annotations
 
@@ -20,13 +20,15 @@ CONFIGS = {"gpt2": "configs/tiny.yaml", "llama": "configs/llama-tiny.yaml"}
 STRATEGIES = ["zero1", "zero2", "zero3", "fsdp"]
 CHANGES = {**{f"{family} {name}": (family, f"strategy.name={name}") for family in CONFIGS for name in STRATEGIES},
            "gpt2 seed": ("gpt2", "train.seed=7"), "gpt2 lr": ("gpt2", "optim.lr=5e-3")}
+KEEP = "llama fsdp"
 
 
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verify")
     calls = [[CONFIGS[family], *SMALL, "strategy.name=ddp", f"train.out_dir={tmp / case.replace(' ', '-') / 'run'}",
-              "--against", change, "--steps", "3"] for case, (family, change) in CHANGES.items()]
+              "--against", change, "--steps", "3", *(["--keep"] if case == KEEP else [])]
+             for case, (family, change) in CHANGES.items()]
     results = run_distributed("tests.support.verify_workers:verify", 2, {"calls": calls})
     return tmp, dict(zip(CHANGES, results[0])), dict(zip(CHANGES, results[1]))
 
@@ -38,7 +40,13 @@ def test_ddp_against_every_sharding_strategy_passes(verified, case):
     assert got["code"] == 0 and rank1[case]["code"] == 0, got["stdout"]
     assert "PASS: 3 steps and" in got["stdout"], got["stdout"]
     assert "fp32: the equivalence suite's 1e-5" in got["stdout"]
-    assert list((tmp / case.replace(" ", "-")).iterdir()) == [], "verify left its runs behind"
+    left = list((tmp / case.replace(" ", "-")).iterdir())
+    if case != KEEP:
+        assert left == [], "verify left its runs behind"
+        return
+    [kept] = left
+    assert f"both runs kept in {kept} (a: as written, b: against)" in got["stdout"], got["stdout"]
+    assert all((kept / run / "checkpoints" / "latest").is_file() for run in "ab"), sorted(kept.rglob("*"))
 
 
 @pytest.mark.parametrize("case, first", [("gpt2 seed", 1), ("gpt2 lr", 2)])
@@ -50,8 +58,9 @@ def test_a_real_change_fails_naming_the_first_step(verified, case, first):
     assert "tensors differ, most: " in got["stdout"], got["stdout"]
 
 
-def test_world_2_against_1_passes(tmp_path, capsys):
-    code = main(["verify", CONFIGS["llama"], *SMALL, "strategy.name=ddp", f"train.out_dir={tmp_path / 'run'}",
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_world_2_against_1_passes(family, tmp_path, capsys):
+    code = main(["verify", CONFIGS[family], *SMALL, "strategy.name=ddp", f"train.out_dir={tmp_path / 'run'}",
                  "--nproc", "2", "--against", "nproc=1", "--steps", "3"])
     out = capsys.readouterr()
     assert code == 0, out.out + out.err

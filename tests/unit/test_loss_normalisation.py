@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 
 from tests.conftest import TINY
+from tests.support.reference import reference_run
 from tests.support.sampler_workers import write_prepared
 from zerodp.config import load_config
 from zerodp.data.batches import IGNORE_INDEX, TokenBatches, load_tokens
 from zerodp.models import build_model
+from zerodp.trainer.loop import train
 
 G, T = 12, 32
 # Documents of 4 to 60 tokens whose share of targets runs from none to all: micro batches of very uneven
@@ -99,3 +101,16 @@ def test_rows_are_read_from_the_file_as_the_array_holds_them(tmp_path):
         for start, n in ((0, 129), (777, 1025), (len(array) - 50, 129)):
             assert np.array_equal(reader.read(start, n), np.asarray(array[start : start + n])), (start, n)
     assert np.array_equal(RangeReader(values).read(5, 10), values[5:15])  # not a file: sliced
+
+
+def test_single_process_accumulation_follows_one_forward_over_the_global_batch(folder, tmp_path, group):
+    """The strategies at world 2 and 3 are held to this in tests/distributed/test_equivalence.py; here
+    `single` on one process, 4 micro batches of 3 a step, against plain AdamW on the global batch."""
+    cfg = load_config(None, TINY + [f"data.source={folder}", f"train.global_batch_size={G}", "train.micro_batch_size=3",
+                                    f"model.block_size={T}", "train.max_steps=4", "optim.lr=1e-3", "optim.min_lr=1e-4",
+                                    "strategy.name=single", f"train.out_dir={tmp_path}"])
+    ref_losses, ref_weights = reference_run(cfg)
+    got = train(cfg, fresh=True, return_weights=True)
+    losses = [got["losses"][k] for k in sorted(got["losses"])]
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+    assert max((got["weights"][k] - w).abs().max().item() for k, w in ref_weights.items()) < 1e-5

@@ -1,8 +1,10 @@
 """What does the replica check (train.check_replicas_every, docs/operations.md) cost? Inside the training
 processes: each strategy trains configs/tiny.yaml with a check after every step (check_replicas_every=1,
 log_every=1), and each rank times every train_step and every check that compared (hash and all-gather,
-after a barrier so that a peer's lateness is not counted); rank 0 prints the medians after the warm-up
-steps, their ratio, and that ratio at the default interval (one check every 100 steps).
+after a barrier so that a peer's lateness is not counted), and under zero3 and fsdp the hashing of the
+gathered parameters inside each step's forwards (CPU: the hash runs as it is called); rank 0 prints the
+medians after the warm-up steps, the check (with that hashing) against the step without it, and that
+share at the default interval (one check every 100 steps).
 
     python benchmarks/replica_check_cost.py                           # ddp,zero2 on 2 CPU processes
     python benchmarks/replica_check_cost.py --strategies ddp --steps 60 train.micro_batch_size=4
@@ -54,18 +56,29 @@ def timed_run(strategy: str, args) -> tuple[list[float], list[float], int, int]:
     from zerodp.resilience import replicas
     from zerodp.trainer import loop
 
-    steps, checks, size = [], [], [0, 0]
-    original_step, original_check = loop.train_step, replicas.ReplicaCheck.check
+    steps, checks, hashing, size = [], [], [], [0, 0]
+    original_step, original_check, original_hash = loop.train_step, replicas.ReplicaCheck.check, replicas.bits_hash
+    in_step = [0.0, False]  # seconds hashing inside this step's forwards, whether a step runs
+
+    def bits_hash(t):
+        t0 = time.perf_counter()
+        out = original_hash(t)
+        if in_step[1]:
+            in_step[0] += time.perf_counter() - t0
+        return out
 
     def sync(device):
         if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
 
     def train_step(strategy_, micro_batches, lr, device):
+        in_step[:] = [0.0, True]
         t0 = time.perf_counter()
         out = original_step(strategy_, micro_batches, lr, device)
         sync(device)
-        steps.append(time.perf_counter() - t0)
+        steps.append(time.perf_counter() - t0 - in_step[0])
+        hashing.append(in_step[0])
+        in_step[1] = False
         return out
 
     def check(self, step, saving):
@@ -73,13 +86,16 @@ def timed_run(strategy: str, args) -> tuple[list[float], list[float], int, int]:
             return original_check(self, step, saving)
         tensors = replicas.replicated_tensors(self.strategy, self.spec_name)
         size[:] = [len(tensors), sum(t.numel() for t in tensors.values())]
+        if self.gathered is not None:  # the gathered parameters' sums: the hashing was in the forwards
+            model = getattr(self.strategy, "module", None) or self.strategy.model
+            size[:] = [len(self.gathered.sums), sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())]
         dist.barrier()
         t0 = time.perf_counter()
         found = original_check(self, step, saving)
         checks.append(time.perf_counter() - t0)  # the all-gather's results were read on the host: synced
         return found
 
-    loop.train_step, replicas.ReplicaCheck.check = train_step, check
+    loop.train_step, replicas.ReplicaCheck.check, replicas.bits_hash = train_step, check, bits_hash
     try:
         cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"), args.overrides + [
             f"strategy.name={strategy}", "train.check_replicas_every=1", "train.log_every=1",
@@ -88,8 +104,8 @@ def timed_run(strategy: str, args) -> tuple[list[float], list[float], int, int]:
             f"train.out_dir={os.path.join(args.out, strategy)}"])
         loop.train(cfg, fresh=True)
     finally:
-        loop.train_step, replicas.ReplicaCheck.check = original_step, original_check
-    return steps, checks, *size
+        loop.train_step, replicas.ReplicaCheck.check, replicas.bits_hash = original_step, original_check, original_hash
+    return steps, [c + h for c, h in zip(checks, hashing)], *size
 
 
 def worker(args) -> None:

@@ -3,7 +3,9 @@ rank of three, in the middle of a ddp run, of a zero2 run and of an HSDP run (fs
 strategy.hybrid_shard, three replica groups of one rank: each holds its own copy of the shards). The
 check after it names that rank and the step, the run stops before the next checkpoint (exit code 1's
 PeerFailure), `latest` stays the checkpoint from before the flip, and the step's metrics record says
-what was found."""
+what was found. Under zero3 and fsdp, whose shards no two ranks share, the bit is flipped in one
+rank's gathered copy of a weight in the forwards after step 5 (the shard stays right): the check
+before the save of step 6 names that rank and the gathered weight, and `latest` stays step 4."""
 
 from __future__ import annotations
 
@@ -29,6 +31,17 @@ def flipped(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def gathered(tiny, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gathered")
+    runs = [{"overrides": tiny + [f"strategy.name={name}", "train.max_steps=6", "train.log_every=1",
+                                  "train.check_replicas_every=4", "checkpoint.every=2", "checkpoint.keep_last=5",
+                                  f"train.out_dir={tmp / name}"], "gathered": True} for name in ("zero3", "fsdp")]
+    results = run_distributed("tests.support.replica_workers:flip_one_bit", 3,
+                              {"runs": runs, "rank": FLIPPED_RANK, "after_step": 5}, fresh=True)
+    return dict(zip(("zero3", "fsdp"), results[0]))
+
+
+@pytest.fixture(scope="module")
 def tiny():
     from tests.conftest import TINY
 
@@ -48,3 +61,17 @@ def test_a_flipped_bit_is_named_and_nothing_after_it_is_saved(flipped, name):
     m = record["replica_mismatch"]
     assert record["step"] == 4 and m["ranks"] == [FLIPPED_RANK] and not m["no_majority"], m
     assert any(t.startswith("param/") for t in m["tensors"]), m
+
+
+@pytest.mark.parametrize("name", ["zero3", "fsdp"])
+def test_a_flipped_bit_in_a_gathered_copy_is_named_before_the_save(gathered, name):
+    got = gathered[name]
+    # checks after step 1, 2 and 4 (saves) agree; the forwards of step 6 gather the flipped copy on rank 1
+    assert got["error"] is not None and "replica check after step 6 (they agreed after step 4)" in got["error"], got
+    assert f"rank {FLIPPED_RANK} on " in got["error"] and "rank 0 on" not in got["error"], got["error"]
+    assert "gathered/" in got["error"], got["error"]
+    assert got["latest"] == "step_00000004" and got["published"] == ["step_00000002", "step_00000004"], got
+    [record] = got["mismatches"]
+    m = record["replica_mismatch"]
+    assert record["step"] == 6 and m["ranks"] == [FLIPPED_RANK] and not m["no_majority"], m
+    assert all(t.startswith("gathered/") for t in m["tensors"]), m

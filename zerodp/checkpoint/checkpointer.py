@@ -40,6 +40,10 @@ class Checkpointer:
         are complete on every rank is published here, and one that failed raises CheckpointError."""
         if self.background is not None:
             self.background.poll()
+        return self.saves_after(step)
+
+    def saves_after(self, step: int) -> bool:
+        """Whether the loop will save after step `step`, by the schedule alone (no collective)."""
         return step == self.max_steps or bool(self.every and step % self.every == 0)
 
     @property

@@ -212,7 +212,8 @@ class TrainConfig:
     """Compare the state every rank holds the same copy of (ddp's weights and AdamW moments, zero1/zero2's
     working weights, the data order) across the ranks every this many steps, at a sync point, and before
     every checkpoint: a rank whose hash differs is named and the run stops before saving (exit 1;
-    docs/operations.md). 0: off. zero3/fsdp shard that state: nothing to compare."""
+    docs/operations.md). 0: off. zero3/fsdp hold no shard twice: each parameter as the forwards gathered it
+    is compared (not under train.compile); HSDP compares each shard across its replica groups."""
 
 
 @dataclass

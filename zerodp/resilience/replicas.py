@@ -10,7 +10,10 @@ Sharded state (zero3, fsdp: parameters, gradients and moments) is not compared a
 rank holds its own shard, and the parameters the forward gathers are the same on every rank by
 construction (a bit flipped in a shard reaches every rank's gathered copy alike), so a comparison of
 gathered copies only sees a fault of the gather itself; no cheap hook is taken for that
-(docs/operations.md). HSDP (fsdp with strategy.hybrid_shard) holds each shard once per replica group:
+(docs/operations.md). What they compare instead (GatheredHashes): the parameters each rank's forward
+gathered, hashed on the steps a check will follow, since a rank whose gathered copy is wrong (a bad
+receive, device memory) computes wrong gradients that the reduction spreads into every shard.
+HSDP (fsdp with strategy.hybrid_shard) holds each shard once per replica group:
 each rank's shards of the parameters and moments are compared with the ranks that hold the same
 shards in the other replica groups (a column of the (replicate, shard) device mesh).
 
@@ -127,6 +130,43 @@ def odd_ones(hashes: list[list[int]]) -> tuple[list[int], list[int], bool]:
     return sorted(ranks), tensors, tied
 
 
+class GatheredHashes:
+    """Where parameters are sharded (zero3, fsdp): a forward pre-hook on each module that holds parameters
+    of its own, registered after the engine's (which gathers them), adds the hash of each gathered
+    parameter to a device scalar of its name while armed: on the steps a check follows, so the other
+    steps pay nothing but the hook's call. Every rank runs the same forwards, so the sums agree. Not
+    under train.compile (a hook that changes between steps would recompile the blocks)."""
+
+    def __init__(self, strategy, device: torch.device):
+        self.armed, self.device = False, device
+        model = getattr(strategy, "module", None) or strategy.model
+        self.sums: dict[str, torch.Tensor] = {}
+        for prefix, m in model.named_modules():
+            names = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+            if names:
+                for n in names:
+                    self.sums[f"gathered/{prefix + '.' if prefix else ''}{n}"] = torch.zeros((), dtype=torch.int64,
+                                                                                             device=device)
+                m.register_forward_pre_hook(self._hook(prefix, names))
+
+    def _hook(self, prefix: str, names: list[str]):
+        keys = [f"gathered/{prefix + '.' if prefix else ''}{n}" for n in names]
+
+        def hook(module, _args):
+            if self.armed:
+                with torch.no_grad():
+                    for key, n in zip(keys, names):
+                        self.sums[key].add_(bits_hash(getattr(module, n)).to(self.device))
+        return hook
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """The sums since the last take, by name; resets them."""
+        out = {k: v.clone() for k, v in self.sums.items()}
+        for v in self.sums.values():
+            v.zero_()
+        return out
+
+
 class ReplicaCheck:
     """Compares the ranks' replicated state every train.check_replicas_every steps (and before every
     save: a checkpoint is never written from a state that failed the check)."""
@@ -136,6 +176,15 @@ class ReplicaCheck:
         self.spec_name, self.seed, self.batch = cfg.strategy.name, cfg.train.seed, cfg.train.global_batch_size
         self.last = None
         """The step of the last check, which all ranks passed."""
+        spec = CATALOG.get(self.spec_name)
+        sharded = spec is not None and "params" in spec.shards and not replicated_tensors(strategy, self.spec_name)
+        self.gathered = (GatheredHashes(strategy, env.device)
+                         if self.active() and sharded and not cfg.train.compile else None)
+
+    def arm(self, step: int, saving: bool) -> None:
+        """Before step `step` (1-based): hash what its forwards gather when a check may follow it."""
+        if self.gathered is not None:
+            self.gathered.armed = self.due(step, saving)
 
     def active(self) -> bool:
         return self.every > 0 and self.env.world_size > 1
@@ -150,6 +199,8 @@ class ReplicaCheck:
             return {}
         last_good, self.last = self.last, step
         tensors = replicated_tensors(self.strategy, self.spec_name)
+        if self.gathered is not None:
+            tensors = self.gathered.take()
         names = ["data_order", *tensors]
         device = self.env.device
         order = torch.tensor([step * 1_000_003 + self.seed * 7919 + self.batch], dtype=torch.int64, device=device)

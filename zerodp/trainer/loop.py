@@ -208,6 +208,7 @@ class Steps:
             t0 = time.perf_counter()
             lr = lr_at(cfg, step)
             timer = Stopwatch(env.device)
+            self.replicas.arm(step + 1, self.checkpointer.saves_after(step + 1))
             with self.meter.step(), timer:
                 local_loss, grad_norm, forward, local_sq = train_step(self.strategy, micro_batches, lr, env.device)
             done = self.done = step + 1

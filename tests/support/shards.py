@@ -36,7 +36,7 @@ SECONDS = {
     "test_resume_latest.py": 88,
     "test_portable.py": 70,
     "test_equivalence.py": 67,
-    "test_replicas.py": 45,
+    "test_replicas.py": 55,
     "test_verify.py": 60,
     "test_prepared_data.py": 64,
     "test_sft.py": 60,

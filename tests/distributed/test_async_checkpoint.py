@@ -1,5 +1,6 @@
-"""checkpoint.async_save: background saves write the same files as synchronous ones, and a write that
-fails stops the run with one line while the previous checkpoint stays intact."""
+"""checkpoint.async_save: background saves write the same files as synchronous ones, which DeepSpeed's
+zero_to_fp32 (zero3) and torch's dcp_to_torch_save (fsdp) read alike. Faults during a background save:
+tests/distributed/test_async_faults.py."""
 
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ def test_sigkill_during_a_background_save_restarts_from_the_newest_complete_one(
     root = out / "checkpoints"
     agent = torchrun(small(tiny, out, steps) + ASYNC, restarts=1)
     try:
-        while len(workers_of(agent)) < 2:
+        deadline = time.monotonic() + 120
+        while len(workers_of(agent)) < 2 and agent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         ranks = workers_of(agent)
         step = freeze_mid_save(ranks, root, after=2)  # step 2's checkpoint is published by then

@@ -32,6 +32,7 @@ SECONDS = {
     "test_readme.py": 250,
     "test_faults.py": 198,
     "test_async_checkpoint.py": 60,
+    "test_async_faults.py": 40,
     "test_first_day.py": 158,
     "test_resume_latest.py": 88,
     "test_portable.py": 70,

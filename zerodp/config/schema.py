@@ -272,8 +272,10 @@ class CheckpointConfig:
     """Save in the background: each rank copies what a save writes into host memory (one copy of its
     checkpoint, reused from save to save) and training continues while a thread writes and hashes it;
     `latest` moves only once every rank's files are complete. The end-of-run and preemption saves go
-    through the same writer and are waited for. Off by default: it costs that host memory per rank
-    (docs/checkpoints.md)."""
+    through the same writer and are waited for. Off by default: the host copy is held for the whole
+    run (`zerodp plan --async-save` shows it per node), and the writer competes with training for the
+    host's cores: measured on CPU ranks, the stall it saves returns as slower steps (docs/checkpoints.md,
+    "Background saves")."""
 
 
 @dataclass

@@ -50,6 +50,16 @@ class Plan:
     """Per row name, every (micro batch, checkpointing) tried when searching."""
     exact_only: bool = False
     """Rows that change the numerics (zero3+zero++) were not eligible (strategy: auto)."""
+    async_save: bool = False
+    """checkpoint.async_save (or --async-save): the table shows each row's snapshot host memory per node."""
+
+    def snapshot_bytes_per_node(self, e: MemoryEstimate) -> int:
+        """Host memory per node of one copy of each rank's checkpoint (checkpoint.async_save) for row `e`."""
+        from zerodp.planner.snapshot import host_bytes_per_node
+
+        c = self.cluster
+        return host_bytes_per_node(self.model.params, e.strategy, c.world_size, c.gpus_per_node,
+                                   self.workload.precision, hybrid=e.name == spec(e.strategy).hybrid_row)
 
     @property
     def chosen(self) -> Optional[MemoryEstimate]:

@@ -71,6 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default bf16, or the config's")
     w.add_argument("--activation-checkpointing", choices=("on", "off"),
                    help="default: the planner decides (or the config's when it says true)")
+    w.add_argument("--async-save", action="store_true",
+                   help="show the host memory per node of checkpoint.async_save's snapshot (one copy of each "
+                        "rank's checkpoint; the config's checkpoint.async_save turns it on too)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--from-run", metavar="RUN", help="a zerodp train run directory: its measured critical batch "
                    "(gradient noise scale) against each world size's global batch (docs/grad_noise.md)")
@@ -200,6 +203,7 @@ def build(args):
                      "pass --layers and --hidden for exact activations")
     plan = choose(model, cluster, workload, ckpt, global_batch=global_batch)
     plan.assumptions.extend(notes)
+    plan.async_save = args.async_save or bool(cfg is not None and cfg.checkpoint.async_save)
     return plan
 
 

@@ -36,7 +36,8 @@ def _header(plan) -> list[str]:
         f"memory per {c.device} in GB (1e9 bytes); fits = total and startup (start-up peak) within {1 - MARGIN:.0%} "
         f"of {gb(c.gpu.hbm_bytes)}" + (f", start-up host RAM within {gb(c.cpu_ram_bytes)} per node"
                                        if c.cpu_ram_bytes else ""),
-    ]
+    ] + (["async/node: checkpoint.async_save's host copy of each rank's checkpoint on the node of rank 0, held "
+          "from the first save to the end of the run"] if plan.async_save else [])
 
 
 def _cells(e) -> list[str]:
@@ -59,12 +60,15 @@ def _cells(e) -> list[str]:
 
 def _column_names(plan) -> list[str]:
     per = "gpu" if plan.cluster.gpu.cuda else "rank"
-    return [f"tok/s/{per}" if name == "tok/s/gpu" else name for name in _COLUMNS]
+    names = [f"tok/s/{per}" if name == "tok/s/gpu" else name for name in _COLUMNS]
+    return names + ["async/node"] if plan.async_save else names
 
 
 def render_table(plan) -> str:
     """The header, one row per strategy, then the choice and one sentence per rejected option."""
-    rows = [_column_names(plan)] + [_cells(e) for e in plan.estimates]
+    # checkpoint.async_save: the snapshot's host memory per node, beside the offloaded states'
+    rows = [_column_names(plan)] + [_cells(e) + ([f"{plan.snapshot_bytes_per_node(e) / 1e9:.1f}"]
+                                                 if plan.async_save else []) for e in plan.estimates]
     if plan.cluster.nodes == 1:  # nothing crosses nodes
         drop = _COLUMNS.index("inter/node")
         rows = [r[:drop] + r[drop + 1:] for r in rows]
@@ -111,5 +115,7 @@ def plan_dict(plan) -> dict:
         "reasons": list(plan.reasons),
         "suggestion": plan.suggestion,
         "assumptions": list(plan.assumptions),
-        "strategies": [e.to_dict() for e in plan.estimates],
+        "async_save": plan.async_save,
+        "strategies": [dict(e.to_dict(), async_save_host_bytes_per_node=plan.snapshot_bytes_per_node(e))
+                       for e in plan.estimates],
     }

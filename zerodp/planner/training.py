@@ -61,6 +61,7 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     plan = choose(spec_from_model_config(cfg.model), cluster, workload, requested,
                   global_batch=cfg.train.global_batch_size if search else None, exact_only=strategy is None,
                   layouts=layouts)
+    plan.async_save = cfg.checkpoint.async_save
     if note:
         plan.assumptions.append(note)
     if plan.activation_checkpointing and not cfg.model.activation_checkpointing and plan.choice:

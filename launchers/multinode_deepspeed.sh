@@ -47,13 +47,20 @@ extra=()
 # pdsh runs DeepSpeed's per-node launcher, which sets RANK/WORLD_SIZE/MASTER_*; mpirun and srun start
 # the ranks directly (zerodp reads OMPI_COMM_WORLD_* / SLURM_*) and must be handed MASTER_* themselves.
 [ "$launcher" = openmpi ] && extra=(--launcher_args "-x MASTER_ADDR -x MASTER_PORT")
-# A Ctrl-C reaches the runner too; this shell only notes it and, after the runner exits, says 130.
-interrupted=0
-trap 'interrupted=1' INT
+# A Ctrl-C reaches the runner too. The interpreter this script becomes only notes it (a Python handler:
+# a bash trap around the foreground runner missed it now and then), waits for the runner and then says
+# 130. close_fds=False: the runner reads DS_ENV_FILE from this process's fd 3.
+python=$(command -v python3 || command -v python) || {
+  echo "multinode_deepspeed.sh: error: no python3 on PATH; activate the environment zerodp is installed in" >&2
+  exit 2
+}
 # The zerodp console script rather than --module: DeepSpeed's slurm runner drops `-m`.
-rc=0
-deepspeed --hostfile "$hostfile" --launcher "$launcher" \
+exec "$python" -c '
+import signal, subprocess, sys
+interrupted = []
+signal.signal(signal.SIGINT, lambda *_: interrupted.append(1))
+rc = subprocess.call(sys.argv[1:], close_fds=False)
+sys.exit(130 if interrupted else rc if rc >= 0 else 128 - rc)' \
+  deepspeed --hostfile "$hostfile" --launcher "$launcher" \
   --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" "${extra[@]}" \
-  "$zerodp" train "$config" "$@" || rc=$?
-if (( interrupted )); then exit 130; fi
-exit "$rc"
+  "$zerodp" train "$config" "$@"

@@ -246,11 +246,12 @@ class TokenBatches:
         if not self.packing or any(s.mask is not None for s in self.streams):
             counts = self.target_counts(offsets)  # every row of the global batch: no collective needed
             total, parts = int(counts.sum()), global_batch // micro  # parts: world x accumulation
-            mine = counts[rank * per_rank : (rank + 1) * per_rank].reshape(-1, micro).sum(axis=1)
-            out.weights = [int(n) * parts / total if total else 0.0 for n in mine]
+            # every micro batch's weight, rank by rank (n_i * parts / N; 0 without targets)
+            weights = counts.reshape(parts, micro).sum(axis=1) * parts / total if total else np.zeros(parts)
+            per = per_rank // micro
+            out.weights = weights[rank * per : (rank + 1) * per].tolist()
             out.targets = total
-            every = counts.reshape(-1, micro).sum(axis=1) * parts / total if total else np.zeros(parts)
-            out.spread = float(np.mean(np.square(every)))
+            out.spread = float(np.mean(np.square(weights)))
         return out
 
     def target_counts(self, offsets: np.ndarray) -> np.ndarray:

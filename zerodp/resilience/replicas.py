@@ -177,7 +177,7 @@ class ReplicaCheck:
         self.last = None
         """The step of the last check, which all ranks passed."""
         spec = CATALOG.get(self.spec_name)
-        sharded = spec is not None and "params" in spec.shards and not replicated_tensors(strategy, self.spec_name)
+        sharded = spec is not None and "params" in spec.shards and _hybrid_mesh(strategy) is None  # HSDP: replicas
         self.gathered = (GatheredHashes(strategy, env.device)
                          if self.active() and sharded and not cfg.train.compile else None)
 
@@ -198,9 +198,8 @@ class ReplicaCheck:
         if not self.due(step, saving):
             return {}
         last_good, self.last = self.last, step
-        tensors = replicated_tensors(self.strategy, self.spec_name)
-        if self.gathered is not None:
-            tensors = self.gathered.take()
+        tensors = (self.gathered.take() if self.gathered is not None
+                   else replicated_tensors(self.strategy, self.spec_name))
         names = ["data_order", *tensors]
         device = self.env.device
         order = torch.tensor([step * 1_000_003 + self.seed * 7919 + self.batch], dtype=torch.int64, device=device)

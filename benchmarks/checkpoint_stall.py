@@ -45,6 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 from zerodp.errors import OneLineParser  # noqa: E402
 
+MARKER = ".checkpoint_stall"
+"""Marks a --out folder as this benchmark's: a rerun may replace the run folders in it."""
+
 GOAL = 0.15
 """A background save's stall at most this fraction of the synchronous save's time."""
 
@@ -66,6 +69,11 @@ def parse_args():
     unknown = set(args.strategies.split(",")) - {"ddp", "zero1", "zero2", "zero3", "fsdp"}
     if unknown:
         p.error(f"--strategies: unknown {', '.join(sorted(unknown))}; choose among ddp,zero1,zero2,zero3,fsdp")
+    # the runs' folders are replaced and their checkpoints deleted: only in a folder this script made
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / MARKER).exists():
+        p.error(f"--out {args.out}: exists and is not a folder this benchmark made (nor an empty one); "
+                "name a new or empty folder")
     return args
 
 
@@ -149,6 +157,7 @@ def main() -> int:
     args = parse_args()
     base = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="checkpoint_stall-"))
     base.mkdir(parents=True, exist_ok=True)
+    (base / MARKER).touch()
     rows, params = [], None
     try:
         for strategy in args.strategies.split(","):

@@ -155,7 +155,7 @@ def _dry_run(cfg, fresh: bool, given: dict, start: dict) -> int:
         where = ", ".join(f"{s.where} (weight {s.weight:g})" for s in ready.train_data.streams) \
             if cfg.data.sources else cfg.data.source
         print(f"# data: {len(ready.tokens):,} tokens from {where}")
-        print(f"# {ready.start.why}")
+        print(f"# {ready.start.why}{ready.start.superseded}")
     return 0
 
 

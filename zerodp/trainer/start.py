@@ -42,6 +42,8 @@ class StartPlan:
     """What the resume carries over: the position in the data, the config's steps (zerodp.trainer.resume)."""
     from_checkpoint: str | None = None
     """The checkpoint --from-checkpoint chose, for `latest` to name once the checks passed."""
+    superseded: str = ""
+    """For --dry-run: what the launch would move aside of metrics.jsonl (the launch says it as it does it)."""
 
 
 # What a run writes at the top of its out_dir: a run that starts over moves these aside together.
@@ -97,8 +99,6 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
         plan.set_aside = earlier_run(out_dir)
         if plan.set_aside:
             plan.why += f"; the earlier run ({', '.join(plan.set_aside)}) is moved aside to {out_dir}/earlier-<date>"
-        else:
-            plan.why += superseded_note(out_dir, 0)  # a restarted attempt's records before any save
     if rank != 0:
         return plan
     model_cfg = cfg.to_dict()["model"]
@@ -125,7 +125,8 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
                     f"{meta['world_size']} process(es))")
         if plan.weights_only:
             plan.why += "; it holds weights only, no AdamW moments: AdamW starts fresh"
-        plan.why += "".join(f"; {line}" for line in plan.carried.said) + superseded_note(out_dir, plan.step)
+        plan.why += "".join(f"; {line}" for line in plan.carried.said)
+        plan.superseded = superseded_note(out_dir, plan.step)
     elif cfg.model.init_from:
         path = cfg.model.init_from
         shapes = shapes or param_shapes(cfg.model)

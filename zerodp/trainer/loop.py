@@ -81,9 +81,11 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False, from_c
     A run already at train.max_steps trains nothing and writes nothing (`nothing_to_train`)."""
     determinism.apply(cfg.train.deterministic)  # before CUDA computes anything: cuBLAS reads its workspace setting once
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
-    if fresh and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        fresh = False  # a restarted attempt continues the run its first attempt started fresh
-        log(env, "restarted attempt: --fresh ignored, resuming from the newest checkpoint")
+    if (fresh or from_checkpoint) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        # a restarted attempt continues the run its first attempt started (fresh, or from that checkpoint)
+        log(env, f"restarted attempt: {'--fresh' if fresh else '--from-checkpoint'} ignored, resuming from the "
+                 f"newest checkpoint")
+        fresh, from_checkpoint = False, None
     # nothing is written before every check passed
     ready = preflight(cfg, fresh, Together(env), from_checkpoint=from_checkpoint, allow_data_change=allow_data_change)
     cfg = ready.cfg

@@ -4,6 +4,7 @@
 # it. Without a GPU the CPU build of torch is installed first (torch==2.13.0); with one, pip keeps/installs
 # the CUDA build that torch's range resolves to.
 #   make quickstart NPROC=1       exactly 1 process
+#   make quickstart FRESH=1       start runs/tiny over (the earlier run is moved aside, not deleted)
 #   CUDA_VISIBLE_DEVICES=1 make quickstart   GPU 1 only; CUDA_VISIBLE_DEVICES= make quickstart: the CPU
 
 VENV ?= .venv
@@ -11,6 +12,7 @@ PY := $(VENV)/bin/python
 # Only chooses which torch build to install: the GPUs a launch uses are counted by zerodp.distributed.devices.
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 NPROC ?=
+FRESH ?=
 ifeq ($(HAS_GPU),)
 TORCH_PIN := torch==2.13.0
 endif
@@ -29,7 +31,7 @@ $(VENV)/.installed: pyproject.toml
 # launchers/local.sh counts the GPUs (python -m zerodp.distributed.devices count, CUDA_VISIBLE_DEVICES and MIG
 # included) and starts that many processes, here at most 2, or 2 CPU processes without a GPU.
 quickstart: install
-	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_GPUS=2 NPROC=$(NPROC) launchers/local.sh configs/tiny.yaml
+	PATH="$(abspath $(VENV))/bin:$$PATH" MAX_GPUS=2 NPROC=$(NPROC) launchers/local.sh configs/tiny.yaml $(if $(filter-out 0,$(FRESH)),--fresh)
 
 # ruff's settings are pyproject.toml's [tool.ruff]: a lint error fails `make test` too
 lint: install

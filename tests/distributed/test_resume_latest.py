@@ -98,6 +98,7 @@ def test_a_checkpoint_chosen_with_latest_is_where_every_reader_starts(source, tm
     assert steps(run) == ["step_00000001", "step_00000002", "step_00000003", "step_00000004"]
     (run / "checkpoints" / "latest").write_text("step_00000002\n")  # what docs/checkpoints.md tells users
     assert inspected_step(run) == 2
+    before = (run / "metrics.jsonl").read_text().splitlines()
     dry = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=3",
                  "--dry-run")
     assert dry.returncode == 0, dry.stderr
@@ -109,6 +110,10 @@ def test_a_checkpoint_chosen_with_latest_is_where_every_reader_starts(source, tm
     assert inspected_step(run) == 3
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in records] == [1, 2, 3]
+    # The records of steps 3-4 the resume supersedes are kept beside the run, byte for byte, and said where.
+    (aside,) = run.glob("superseded-*")
+    assert (aside / "metrics.jsonl").read_text().splitlines() == before[2:]
+    assert f"supersedes metrics.jsonl's records of steps 3-4: moved to {aside}/metrics.jsonl" in r.stderr
     # A `latest` that names no checkpoint: the newest intact one by step, with a warning.
     (run / "checkpoints" / "latest").write_text("step_00000099\n")
     dry = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=5",
@@ -132,3 +137,53 @@ def test_a_run_that_starts_over_moves_the_whole_earlier_run_aside(tmp_path, how)
     assert (aside / "checkpoints" / "step_00000002" / "meta.json").is_file()
     assert inspected_step(aside) == 2  # still a run zerodp reads
     assert steps(run) == ["step_00000001"]
+
+
+def dry_run(run: Path, capsys, *args) -> tuple[int, str, str]:
+    """`zerodp train RUN ARGS --dry-run` in this process (a dry run starts no process group): code, out, err."""
+    from zerodp.cli.commands import main
+
+    capsys.readouterr()
+    code = main(["train", str(run), *map(str, args), "--dry-run"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def files(run: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+
+
+def test_a_resume_with_another_global_batch_continues_where_the_data_stopped(source, tmp_path, capsys):
+    """Another global batch on resume continues at the samples consumed, and the config that trained the
+    steps before is kept; another seed is refused in one line that says how to ask for it."""
+    run = tmp_path / "run"
+    shutil.copytree(source, run)  # 2 steps at global batch 4
+    first = (run / "config.yaml").read_text()
+    r = train(run, "train.max_steps=3", "train.global_batch_size=8")
+    epoch = {x["step"]: x["epoch"] for x in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert epoch[3] == pytest.approx(2 * epoch[2], rel=1e-3)  # 8 + 8 samples, not 3 x 8
+    assert json.loads((run / "checkpoints" / "step_00000003" / "trainer.json").read_text())["samples"] == 16
+    assert "train.global_batch_size=4 there, 8 here: the data continues at sample 8, where the run stopped" in r.stderr
+    assert (run / "config.steps-0-2.yaml").read_text() == first  # the settings that trained steps 1-2
+    assert "global_batch_size: 8" in (run / "config.yaml").read_text()
+    code, _, err = dry_run(run, capsys, "train.max_steps=4", "train.seed=7", "--from-checkpoint", "2")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert re.search(r"step_00000002 was trained with other data settings \(train.seed=1337 there, 7 here\): "
+                     r"resuming would draw other samples than the run's; .* pass --allow-data-change", err)
+
+
+def test_a_finished_run_trains_nothing_and_changes_nothing(source, tmp_path, capsys):
+    """Overrides on a finished run: "nothing to train", no planner table or sample, config.yaml still
+    what trained; `zerodp train RUN --dry-run` says the same; a --from-checkpoint the run lacks is refused."""
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    kept = files(run)
+    r = train(run, "train.max_steps=2", "optim.lr=1.0", "train.seed=7")
+    assert files(run) == kept  # config.yaml as it trained
+    assert "nothing to train: " in r.stderr and "planner" not in r.stderr and "sample:" not in r.stderr
+    code, out, _ = dry_run(run, capsys)  # a run folder continues from its config.yaml
+    assert code == 0 and "# nothing to train: " in out
+    code, _, err = dry_run(run, capsys, "train.max_steps=4", "--from-checkpoint", "step_00000009")
+    assert code == 2 and re.search(r"--from-checkpoint step_00000009: there is no checkpoint step_00000009 in "
+                                   r"\S+/checkpoints \(train.out_dir's\); choose one of step_00000002$", err.strip())
+    assert files(run) == kept

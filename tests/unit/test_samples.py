@@ -74,6 +74,19 @@ def test_the_epoch_boundary_and_a_new_order_the_next_epoch(tiny, folder):
     assert not np.array_equal(other.offsets(0, G), data.offsets(0, G))  # the seed picks the order
 
 
+def test_a_resume_with_another_global_batch_takes_each_sample_once(tiny, folder):
+    """3 steps of 12, then (resumed at the 36 samples consumed) steps of 8: the epoch's 60 samples once
+    each, in the order of the epoch, and the epoch counts where the data stands."""
+    cfg = config(tiny, f"data.source={folder}")
+    data = TokenBatches(load_tokens(cfg), cfg, "train")
+    before = np.concatenate([data.offsets(k, G) for k in range(3)])
+    data.continue_from(3, 3 * G)
+    after = np.concatenate([data.offsets(k, 8) for k in range(3, 6)])  # 24 samples: the epoch's last
+    zero, _ = first_order(cfg)
+    assert (np.concatenate([before, after]) // T).tolist() == zero.tolist()
+    assert data.epochs(6, 8) == [1.0] and data.position(3, 8) == 36
+
+
 def first_order(cfg):
     ix = SampleIndex(SAMPLES * T + 1, T, [cfg.train.seed, 0, 0])
     return ix.permutation(0).copy(), ix.permutation(1).copy()

@@ -249,20 +249,21 @@ def find_resumable(out_dir: str | Path) -> Path | None:
     return resume_point(out_dir, set_aside_damaged=False).path
 
 
-def resume_point(out_dir: str | Path, set_aside_damaged: bool = True) -> ResumePoint:
+def resume_point(out_dir: str | Path, set_aside_damaged: bool = True, only: str | None = None) -> ResumePoint:
     """The checkpoint a run in out_dir resumes from: the one `latest` names when it is complete and
     intact, else the newest intact one by the step its meta.json records (`checkpoint_order`), skipping
     damaged ones (set aside, i.e.
     renamed `*.damaged` by rank 0 when `set_aside_damaged`, so they are reported once and never counted
-    again; otherwise only warned about).
+    again; otherwise only warned about). With `only` (a step folder's name: --from-checkpoint), that one
+    checkpoint when it is intact, else none, what is wrong with it in `skipped`.
 
     Collective when a process group is up: the ranks share the sha256 reading (each hashes every
     world-th file, as at save time) and all return the same answer."""
     ranked = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     rank, world = (dist.get_rank(), dist.get_world_size()) if ranked else (0, 1)
     root = checkpoint_root(out_dir)
-    candidates = [p.name for p in checkpoint_order(root)]
-    stale = stale_latest(root) if rank == 0 else None
+    candidates = [p.name for p in checkpoint_order(root)] if only is None else [only]
+    stale = stale_latest(root) if rank == 0 and only is None else None
     if ranked:  # one listing for all ranks, whatever each one's view of the file system
         candidates = broadcast_object(candidates)
     if stale:
@@ -279,7 +280,7 @@ def resume_point(out_dir: str | Path, set_aside_damaged: bool = True) -> ResumeP
             found.path = root / name
             break
         found.skipped.append((name, problem))
-        if rank == 0:
+        if rank == 0 and only is None:
             if set_aside_damaged:
                 set_aside(root / name, problem)
             else:

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 from zerodp.cli.allocator import default_allocator
 from zerodp.distributed.launcher import record_exit
@@ -23,13 +24,23 @@ class _Parser(OneLineParser):
 
 def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a GPT under any launcher (deepspeed, torchrun, python)",
-                       description="Train per CONFIG.yaml, with section.key=value overrides.")
-    p.add_argument("config", help="training config, e.g. configs/tiny.yaml")
+                       description="Train per CONFIG.yaml, with section.key=value overrides; or continue the run in "
+                                   "RUN_DIR from its config.yaml.")
+    p.add_argument("config", help="training config, e.g. configs/tiny.yaml, or a run folder (runs/tiny): its "
+                                  "config.yaml, train.out_dir that folder")
     # default=[]: argparse otherwise lists an empty nargs="*" positional among the missing arguments
     p.add_argument("overrides", nargs="*", default=[], help="section.key=value, e.g. train.max_steps=50")
     p.add_argument("--fresh", action="store_true",
                    help="start from step 0 even if out_dir has checkpoints (the earlier run's checkpoints, metrics and "
                         "config are moved together into out_dir/earlier-<date>, not deleted)")
+    p.add_argument("--from-checkpoint", metavar="STEP_FOLDER",
+                   help="resume from this checkpoint of the run (step_00000250, or 250) instead of the newest; "
+                        "`latest` then names it, later checkpoints stay, the records past it are moved to "
+                        "out_dir/superseded-<date>")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="resume although train.seed or the data settings differ from the checkpoint's (a new "
+                        "seed continues at the same sample count in the new order; new data starts at its "
+                        "first sample)")
     p.add_argument("--dry-run", action="store_true",
                    help="run every check that needs no process group, print the plan, the resolved config, the "
                         "keys you set (unlike the defaults), those resolved for you and where the run would start; "
@@ -58,13 +69,15 @@ def _run_config(args) -> int:
 def _run_train(args) -> int:
     from zerodp.config import load_config, user_settings
 
-    cfg = load_config(args.config, args.overrides)
+    config, overrides = run_folder_config(args.config, args.overrides)
+    cfg = load_config(config, overrides)
+    start = {"from_checkpoint": args.from_checkpoint, "allow_data_change": args.allow_data_change}
     if args.dry_run:
-        return _dry_run(cfg, args.fresh, user_settings(args.config, args.overrides))
+        return _dry_run(cfg, args.fresh, user_settings(config, overrides), start)
     from zerodp.distributed.process_group import shutdown
     from zerodp.trainer.loop import train
 
-    summary = train(cfg, fresh=args.fresh)
+    summary = train(cfg, fresh=args.fresh, **start)
     shutdown()  # only after success: with a dead peer, teardown itself could block
     record_exit(summary["exit_code"])  # zerodp.distributed.launcher's answer to a signal it forwarded: 0 or 130
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -74,6 +87,23 @@ def _run_train(args) -> int:
         sys.stderr.flush()
         os._exit(summary["exit_code"])
     return summary["exit_code"]
+
+
+def run_folder_config(path: str, overrides: list[str]) -> tuple[str, list[str]]:
+    """(config file, overrides) for `zerodp train PATH`: a run folder continues from its config.yaml,
+    with train.out_dir that folder (kept as config.yaml writes it when it names the same folder)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return path, overrides
+    config = folder / "config.yaml"
+    if not config.is_file():
+        raise UserError(f"{folder} is a folder without a config.yaml, so no run to continue; pass a config file "
+                        f"(e.g. configs/tiny.yaml) or a run folder zerodp train wrote")
+    import yaml
+
+    written = ((yaml.safe_load(config.read_text()) or {}).get("train") or {}).get("out_dir")
+    same = written is not None and Path(written).resolve() == folder.resolve()
+    return str(config), ([] if same else [f"train.out_dir={folder}"]) + list(overrides)
 
 
 def _strip_local_rank(argv: list[str]) -> list[str]:
@@ -91,11 +121,11 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
     return out
 
 
-def _dry_run(cfg, fresh: bool, given: dict) -> int:
-    """Run the start-up checks of a launch (zerodp.trainer.preflight, the launch's own) without a
-    process group, then print the plan, the resolved config, the keys the user set (`given`, from
-    config.user_settings) apart from those resolved for them, and where the run would start. Writes
-    nothing."""
+def _dry_run(cfg, fresh: bool, given: dict, start: dict) -> int:
+    """Run the start-up checks of a launch (zerodp.trainer.preflight, the launch's own; `start`: its
+    from_checkpoint and allow_data_change) without a process group, then print the plan, the resolved
+    config, the keys the user set (`given`, from config.user_settings) apart from those resolved for
+    them, and where the run would start. Writes nothing."""
     from zerodp.config import dump_yaml, set_and_resolved
     from zerodp.planner import plan_for_training
     from zerodp.trainer.preflight import Alone, Machine, device_memory, micro_batch_line, preflight
@@ -107,7 +137,7 @@ def _dry_run(cfg, fresh: bool, given: dict) -> int:
         if cfg.train.micro_batch_size == "auto" and rank0:
             print(f"zerodp: {micro_batch_line(plan)}", flush=True)
 
-    ready = preflight(cfg, fresh, Alone(machine), on_plan=said)
+    ready = preflight(cfg, fresh, Alone(machine), on_plan=said, **start)
     plan, resolved, world = ready.plan, ready.cfg, machine.world_size
     if plan is None:
         memory, name = device_memory(machine.device, machine.local_world_size)
@@ -125,7 +155,7 @@ def _dry_run(cfg, fresh: bool, given: dict) -> int:
         where = ", ".join(f"{s.where} (weight {s.weight:g})" for s in ready.train_data.streams) \
             if cfg.data.sources else cfg.data.source
         print(f"# data: {len(ready.tokens):,} tokens from {where}")
-        print(f"# {ready.start.why}")
+        print(f"# {ready.start.why}{ready.start.superseded}")
     return 0
 
 

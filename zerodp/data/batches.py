@@ -5,7 +5,9 @@ The global batch of optimizer step k is samples [k*B, (k+1)*B) of the split's sa
 without replacement; several sources blended by weight), so it is the same whatever the world size and
 micro-batch split; rank r takes rows [r * per_rank, (r + 1) * per_rank) of it, cut into micro batches.
 A run on 1 process and one on N processes therefore see exactly the same samples per step, and
-resuming needs only the step number.
+resuming needs only the step number and where the data stood: a run resumed at step s with another
+global batch B' takes positions [p + (k-s)*B', p + (k-s+1)*B') at step k, p the samples consumed when
+it stopped (`continue_from`; zerodp.trainer.resume), so no sample of the epoch is skipped or repeated.
 
 A micro batch is (x, y), or (x, y, doc_ids) when data.document_masking is on and every source has a
 document index (a `zerodp prepare` folder's train.idx/val.idx): doc_ids[r, t] numbers the documents
@@ -119,6 +121,9 @@ class TokenBatches:
                           for d, s in enumerate(self.streams)]
         self.blend = Blend([s.weight for s in self.streams]) if len(self.streams) > 1 else None
         self.bases = np.cumsum([0] + [len(s.tokens) for s in self.streams[:-1]]).astype(np.int64)
+        self.origin = (0, 0)
+        """(step, position): global batch `step` starts at that position of the sample sequence, each
+        later one right after the one before (`continue_from`); (0, 0) unless resumed with another batch."""
         self._readers = [RangeReader(s.tokens) for s in self.streams]
         self._mask_readers = [RangeReader(s.mask) if s.mask is not None else None for s in self.streams]
         masking = cfg.data.document_masking if document_masking is None else document_masking
@@ -151,10 +156,21 @@ class TokenBatches:
     def samples_per_epoch(self) -> list[int]:
         return [ix.n for ix in self.index]
 
+    def continue_from(self, step: int, position: int) -> None:
+        """Global batch `step` starts at sample `position` of the sequence (a resumed run's samples
+        consumed), whatever the global batch of the steps before it."""
+        self.origin = (step, position)
+
+    def position(self, step: int, rows: int) -> int:
+        """The position global batch `step` of `rows` samples starts at: the samples taken before it."""
+        at, position = self.origin
+        return position + (step - at) * rows
+
     def locate(self, step: int, rows: int) -> Located:
         """Source, sample and start offset of each of the `rows` rows of global batch `step`: a pure
         function of (seed, step), O(rows) once the epoch's permutation is built."""
-        positions = np.arange(step * rows, (step + 1) * rows, dtype=np.int64)
+        first = self.position(step, rows)
+        positions = np.arange(first, first + rows, dtype=np.int64)
         if self.blend is None:
             source, within = np.zeros(rows, dtype=np.int64), positions
         else:
@@ -169,7 +185,8 @@ class TokenBatches:
 
     def epochs(self, steps: int, rows: int) -> list[float]:
         """Epochs each source has completed after `steps` global batches of `rows` samples."""
-        taken = [steps * rows] if self.blend is None else self.blend.counts(steps * rows).tolist()
+        done = self.position(steps, rows)
+        taken = [done] if self.blend is None else self.blend.counts(done).tolist()
         return [t / ix.n for t, ix in zip(taken, self.index)]
 
     def offsets(self, step: int, rows: int) -> np.ndarray:

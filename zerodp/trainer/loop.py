@@ -41,6 +41,7 @@ from zerodp.trainer.preflight import (
     resolve_strategy,  # noqa: F401  (tests and the config's docs name it here)
 )
 from zerodp.trainer.records import Records, log
+from zerodp.trainer.resume import keep_config, keep_superseded
 from zerodp.trainer.sample import sample
 from zerodp.trainer.validate import evaluate
 
@@ -67,24 +68,34 @@ def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, mod
     }
 
 
-def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dict:
-    """Train per `cfg` under the launcher's process group; return a summary of the run.
+def train(cfg: Config, fresh: bool = False, return_weights: bool = False, from_checkpoint: str | None = None,
+          allow_data_change: bool = False) -> dict:
+    """Train per `cfg` under the launcher's process group; return a summary of the run
+    (`from_checkpoint`, `allow_data_change`: the start's, zerodp.trainer.start.plan_start).
 
     The summary holds the strategy name, world size, {step: mean loss} of the steps run here, the
     bytes rank-local state held at start, the last step's collectives (`comm`, zerodp.telemetry.comm), the
     planner's prediction beside what was measured (`planned`), the run's figures (`run`:
     Throughput.summary, also printed as the last line before the sample, with the last
-    `grad_noise_scale` when one was measured), and with `return_weights` the final full fp32 weights."""
+    `grad_noise_scale` when one was measured), and with `return_weights` the final full fp32 weights.
+    A run already at train.max_steps trains nothing and writes nothing (`nothing_to_train`)."""
     determinism.apply(cfg.train.deterministic)  # before CUDA computes anything: cuBLAS reads its workspace setting once
     env = init_distributed(cfg.train.device, cfg.strategy.timeout_s)
-    if fresh and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        fresh = False  # a restarted attempt continues the run its first attempt started fresh
-        log(env, "restarted attempt: --fresh ignored, resuming from the newest checkpoint")
-    ready = preflight(cfg, fresh, Together(env))  # nothing is written before every check passed
+    if (fresh or from_checkpoint) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        # a restarted attempt continues the run its first attempt started (fresh, or from that checkpoint)
+        log(env, f"restarted attempt: {'--fresh' if fresh else '--from-checkpoint'} ignored, resuming from the "
+                 f"newest checkpoint")
+        fresh, from_checkpoint = False, None
+    # nothing is written before every check passed
+    ready = preflight(cfg, fresh, Together(env), from_checkpoint=from_checkpoint, allow_data_change=allow_data_change)
     cfg = ready.cfg
+    if ready.start.step >= cfg.train.max_steps:
+        return nothing_to_train(cfg, env, ready, return_weights)
     open_run_folder(env, ready)
     strategy, checkpointer = set_up(cfg, env, ready.grad_accum)
     state = checkpointer.restore(ready.start.resume_from, ready.start.init_from, env.world_size)
+    if ready.start.resume_from is not None:  # where the data stood, whatever the global batch then
+        ready.train_data.continue_from(ready.start.step, ready.start.carried.samples)
     if cfg.train.compile:
         compile_blocks(strategy.model)
     dist.barrier()  # start-up is over on every rank
@@ -93,11 +104,12 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     # an imported checkpoint (zerodp convert --to zerodp) records the step only
     start = state.get("step", 0)
     tokens_seen = state.get("tokens", start * cfg.train.global_batch_size * cfg.model.block_size)
-    plan_check = announce(cfg, env, ready, start)
+    plan_check = announce(cfg, env, ready)
 
     records = Records(cfg, env, start, tokens_seen, state.get("grad_noise"))
     guards = Guards(cfg, env, strategy.gathers_in_forward, start)
     steps = Steps(cfg, env, strategy, checkpointer, records, guards)
+    steps.config_from = ready.start.carried.config_from
     try:
         with guards.watching(start, checkpointer, records.say):
             steps.run(ready.train_data, ready.val_data, start)
@@ -125,9 +137,24 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False) -> dic
     return summary
 
 
+def nothing_to_train(cfg: Config, env: DistEnv, ready: Ready, return_weights: bool) -> dict:
+    """The summary of a run already at train.max_steps: said in one line; no planner table, no sample,
+    and the run folder left as it was (config.yaml keeps the settings that trained)."""
+    log(env, ready.start.why)
+    summary = {"strategy": cfg.strategy.name, "world_size": env.world_size, "losses": {}, "preempted": False,
+               "exit_code": 0, "final_step": ready.start.step, "nothing_to_train": True}
+    if return_weights:
+        strategy, checkpointer = set_up(cfg, env, ready.grad_accum)
+        checkpointer.restore(ready.start.resume_from, None, env.world_size)
+        summary["weights"] = strategy.full_state_dict()
+    return summary
+
+
 def open_run_folder(env: DistEnv, ready: Ready) -> None:
-    """After the checks: say what the data is, move an earlier run aside (a start at step 0 over it),
-    write the resolved config (auto replaced by the choice) and say what the planner chose."""
+    """After the checks: say what the data is, move an earlier run aside (a start at step 0 over it) or
+    the records a resume supersedes (zerodp.trainer.resume), point `latest` at a --from-checkpoint, keep
+    the settings that trained before a resume that changes them, write the resolved config (auto
+    replaced by the choice) and say what the planner chose."""
     cfg, plan = ready.cfg, ready.plan
     if ready.prepared_line:  # after both splits' checks: a bad input stays a one-line error
         for line in ready.prepared_line.splitlines():
@@ -135,9 +162,18 @@ def open_run_folder(env: DistEnv, ready: Ready) -> None:
     if ready.train_data.note:
         log(env, ready.train_data.note)
     if env.rank == 0:
-        if ready.start.set_aside:
-            _set_aside_earlier_run(env, Path(cfg.train.out_dir), ready.start.set_aside)
-        (Path(cfg.train.out_dir) / "config.yaml").write_text(dump_yaml(cfg))
+        out_dir, start = Path(cfg.train.out_dir), ready.start
+        if start.set_aside:
+            _set_aside_earlier_run(env, out_dir, start.set_aside)
+        elif said := keep_superseded(out_dir, start.step):
+            log(env, said)
+        if start.from_checkpoint:  # as `echo NAME > latest` would: a restart before the next save resumes there too
+            root = out_dir / "checkpoints"
+            (root / "latest.tmp").write_text(start.from_checkpoint + "\n")
+            os.replace(root / "latest.tmp", root / "latest")
+        if start.carried.kept_config:
+            log(env, keep_config(out_dir, start.carried.kept_config))
+        (out_dir / "config.yaml").write_text(dump_yaml(cfg))
     dist.barrier()
     if plan is not None:  # after the input checks: a bad input stays a one-line error
         what = "train.micro_batch_size=auto" if ready.searched else "strategy.name=auto"
@@ -163,7 +199,7 @@ def set_up(cfg: Config, env: DistEnv, grad_accum: int):
                                   c.async_save)
 
 
-def announce(cfg: Config, env: DistEnv, ready: Ready, start: int) -> PlanCheck:
+def announce(cfg: Config, env: DistEnv, ready: Ready) -> PlanCheck:
     """The start-up lines: the strategy and batch, where the run starts, the planner's prediction."""
     log(env, f"strategy {cfg.strategy.name} on {env.world_size} process(es), {param_count(cfg.model):,} parameters, "
              f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
@@ -171,8 +207,6 @@ def announce(cfg: Config, env: DistEnv, ready: Ready, start: int) -> PlanCheck:
     log(env, ready.start.why)
     plan_check = PlanCheck(cfg, env.world_size, *device_memory(env.device, env.local_world_size))
     log(env, plan_check.prediction())
-    if start >= cfg.train.max_steps:
-        log(env, f"the run is already complete at step {start}; raise train.max_steps to train further")
     return plan_check
 
 
@@ -188,6 +222,8 @@ class Steps:
         self.checkpointer, self.records, self.guards = checkpointer, records, guards
         self.meter = CommMeter(cfg.train.measure_comm)  # counts the collectives of each step
         self.replicas = ReplicaCheck(cfg, env, strategy)  # train.check_replicas_every
+        self.config_from = 0
+        """The step the run's config took effect at (zerodp.trainer.resume), for its checkpoints."""
         self.held: dict[int, int] = {}
         """What rank 0 holds after the first step (strategy.state_bytes)."""
         self.done = 0
@@ -231,7 +267,9 @@ class Steps:
             pending = []
             if stop or save_now:
                 t_save = time.perf_counter()
-                self.checkpointer.save(done, self.records.trainer_state(done))
+                position = self.train_data.position(done, cfg.train.global_batch_size)  # samples consumed
+                self.checkpointer.save(done, {**self.records.trainer_state(done), "samples": position,
+                                              "config_from": self.config_from})
                 self.interval_start += time.perf_counter() - t_save  # saves are counted apart (checkpoint_save_s)
                 self.records.flush()
             if stop:

@@ -57,10 +57,12 @@ class Ready:
     """train.micro_batch_size was auto (the planner chose the micro batch)."""
 
 
-def preflight(cfg: Config, fresh: bool, checks: Alone | Together, on_plan=None) -> Ready:
-    """Run every start-up check of a launch of `cfg` (`fresh`: --fresh) where `checks` says; return what
-    they found or raise the first UserError. `on_plan(plan)` is called with the planner's choice as soon
-    as it is made, before the checks that read the data (the dry run prints it there)."""
+def preflight(cfg: Config, fresh: bool, checks: Alone | Together, on_plan=None, from_checkpoint: str | None = None,
+              allow_data_change: bool = False) -> Ready:
+    """Run every start-up check of a launch of `cfg` (`fresh`: --fresh; `from_checkpoint`,
+    `allow_data_change`: zerodp.trainer.start.plan_start's) where `checks` says; return what they found
+    or raise the first UserError. `on_plan(plan)` is called with the planner's choice as soon as it is
+    made, before the checks that read the data (the dry run prints it there)."""
     env, searched = checks.env, cfg.train.micro_batch_size == "auto"
     cfg, plan = checks.first(lambda: resolve_strategy(cfg, env.world_size, env.device, env.local_world_size))
     if on_plan is not None and plan is not None:
@@ -69,7 +71,8 @@ def preflight(cfg: Config, fresh: bool, checks: Alone | Together, on_plan=None) 
     checks.every(lambda: check_out_dir(Path(cfg.train.out_dir), write=checks.writes))  # each its own file system
     checks.first(lambda: loggers.check(cfg.train), share=False)  # rank 0 logs
     # A checkpoint of another model is refused before anything is written.
-    start = checks.every(lambda: plan_start(cfg, fresh, set_aside_damaged=checks.writes, rank=checks.rank),
+    start = checks.every(lambda: plan_start(cfg, fresh, set_aside_damaged=checks.writes, rank=checks.rank,
+                                            from_checkpoint=from_checkpoint, allow_data_change=allow_data_change),
                          share=True)
     tokens, train_data, val_data, prepared_line = checks.every(lambda: inputs(cfg))
     return Ready(cfg, plan, grad_accum, start, tokens, train_data, val_data, prepared_line, searched)

@@ -5,7 +5,6 @@ or one line every train.log_every steps)."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -29,15 +28,14 @@ def log(env: DistEnv, msg: str) -> None:
 
 
 class Records:
-    """The run's step records from step `start` on: metrics.jsonl (cut back to `start` on resume),
-    the metric loggers and the console on rank 0; the losses, throughput and noise scale on every rank.
+    """The run's step records from step `start` on: metrics.jsonl (appended to: a resume has moved the
+    records past `start` aside, zerodp.trainer.resume), the metric loggers and the console on rank 0;
+    the losses, throughput and noise scale on every rank.
     Collective to build (the loggers start on rank 0, their errors raised on every rank)."""
 
     def __init__(self, cfg: Config, env: DistEnv, start: int, tokens_seen: int, noise_state: dict | None):
         self.cfg, self.env = cfg, env
         self.metrics_path = Path(cfg.train.out_dir) / "metrics.jsonl"
-        if env.rank == 0:
-            _truncate_metrics(self.metrics_path, start)
         self.loggers = Together(env).first(
             lambda: loggers.MetricLoggers(cfg, Path(cfg.train.out_dir), start), share=False)
         peak, no_peak = peak_flops(cfg, env.device)
@@ -136,19 +134,6 @@ def _noise_scale(cfg: Config, env: DistEnv, state: dict | None) -> NoiseScale | 
         log(env, why)
         return None
     return NoiseScale(t.micro_batch_size, t.global_batch_size, t.grad_noise_ema, cfg.model.block_size, state)
-
-
-def _truncate_metrics(path: Path, start: int) -> None:
-    """On resume, drop records past the checkpoint so metrics.jsonl reads as one run."""
-    if not path.exists():
-        return
-    if start == 0:
-        path.unlink()
-        return
-    kept = [ln for ln in path.read_text().splitlines() if ln and json.loads(ln)["step"] <= start]
-    tmp = path.with_name(path.name + ".tmp")  # swapped in whole: a crash here leaves the old file
-    tmp.write_text("".join(ln + "\n" for ln in kept))
-    os.replace(tmp, path)
 
 
 def _progress(cfg: Config, env: DistEnv, start: int):

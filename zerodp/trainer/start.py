@@ -3,19 +3,23 @@ weights), decided and checked before anything is written or deleted. `zerodp tra
 `zerodp train --dry-run` call the same `plan_start`.
 
 Refused here, with one line that names the difference and the way out: resuming into a model whose
-settings or parameter shapes differ from the checkpoint's, and `model.init_from` weights of another
-model. Nothing is written on that path, so the run folder stays exactly as it was.
+settings or parameter shapes differ from the checkpoint's, or into other data settings (zerodp.trainer.resume),
+a --from-checkpoint this run does not hold intact, and `model.init_from` weights of another model.
+Nothing is written on that path, so the run folder stays exactly as it was.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerodp.checkpoint import store as checkpoint
+from zerodp.checkpoint.manifest import checkpoint_order, is_step_name, step_dir_name
 from zerodp.config import Config
 from zerodp.errors import UserError
+from zerodp.trainer.resume import Carried, carry_over, superseded_note
 
 
 @dataclass
@@ -32,6 +36,14 @@ class StartPlan:
     """One line: what the run will do, for the log and --dry-run."""
     set_aside: list[str] = field(default_factory=list)
     """The earlier run's files in out_dir that a start at step 0 moves aside first (none on resume)."""
+    step: int = 0
+    """The step the run starts at (the checkpoint's)."""
+    carried: Carried = field(default_factory=Carried)
+    """What the resume carries over: the position in the data, the config's steps (zerodp.trainer.resume)."""
+    from_checkpoint: str | None = None
+    """The checkpoint --from-checkpoint chose, for `latest` to name once the checks passed."""
+    superseded: str = ""
+    """For --dry-run: what the launch would move aside of metrics.jsonl (the launch says it as it does it)."""
 
 
 # What a run writes at the top of its out_dir: a run that starts over moves these aside together.
@@ -48,11 +60,14 @@ def earlier_run(out_dir: Path) -> list[str]:
     return present if set(present) - {"config.yaml"} else []
 
 
-def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0) -> StartPlan:
-    """Decide where the run starts; raise UserError when the checkpoint or init_from weights do not
-    fit the configured model. Collective when a process group is up (the resume lookup shares its
-    sha256 reading over the ranks); the model check reads metadata on rank 0 only, and the caller
-    shares its verdict (`zerodp.trainer.preflight.agree`)."""
+def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0, from_checkpoint: str | None = None,
+               allow_data_change: bool = False) -> StartPlan:
+    """Decide where the run starts (`from_checkpoint`: a checkpoint of this run chosen by name or step
+    instead of the newest); raise UserError when the checkpoint or init_from weights do not fit the
+    configured model, or the data settings differ from the checkpoint's without `allow_data_change`.
+    Collective when a process group is up (the resume lookup shares its sha256 reading over the
+    ranks); the model check reads metadata on rank 0 only, and the caller shares its verdict
+    (`zerodp.trainer.preflight.agree`)."""
     from zerodp.models import param_shapes
 
     out_dir = Path(cfg.train.out_dir)
@@ -60,11 +75,17 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0)
     if cfg.model.init_from and not os.path.exists(cfg.model.init_from):  # wrong whether or not it is used
         raise UserError(f"model.init_from {cfg.model.init_from} does not exist; pass a checkpoint folder or "
                         f".safetensors file, or remove the key")
-    if fresh or not cfg.checkpoint.resume:
+    if fresh and from_checkpoint is not None:
+        raise UserError("--fresh starts over and --from-checkpoint resumes from a checkpoint: pass one of the two")
+    if fresh or (not cfg.checkpoint.resume and from_checkpoint is None):
         plan.why = "--fresh: starting from step 0" if fresh else "checkpoint.resume=false: starting from step 0"
     else:
-        found = checkpoint.resume_point(out_dir, set_aside_damaged=set_aside_damaged)
-        plan.resume_from, plan.skipped = found.path, found.skipped
+        only = None if from_checkpoint is None else chosen_checkpoint(out_dir, from_checkpoint)
+        found = checkpoint.resume_point(out_dir, set_aside_damaged=set_aside_damaged and only is None, only=only)
+        if only is not None and found.path is None:
+            raise UserError(f"--from-checkpoint {from_checkpoint}: {found.skipped[0][1]}; choose another checkpoint "
+                            f"of {checkpoint.checkpoint_root(out_dir)}")
+        plan.resume_from, plan.skipped, plan.from_checkpoint = found.path, found.skipped, only
         if found.path is None:
             root = checkpoint.checkpoint_root(out_dir)
             if found.skipped:
@@ -92,10 +113,20 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0)
                 f"aside, not deleted) or another train.out_dir")
         plan.weights_only = not check.has_optimizer
         meta = checkpoint.read_meta(plan.resume_from)
+        plan.step = int(meta["step"])
+        if plan.step >= cfg.train.max_steps:  # before the data check: a finished run says only this
+            plan.why = (f"nothing to train: {plan.resume_from} is at step {plan.step} and train.max_steps is "
+                        f"{cfg.train.max_steps}; raise train.max_steps to train further (the run folder is left "
+                        f"as it was)")
+            return plan
+        trainer = json.loads((plan.resume_from / "trainer.json").read_text())
+        plan.carried = carry_over(cfg, plan.resume_from, meta, trainer, allow_data_change)
         plan.why = (f"resuming from {plan.resume_from} at step {meta['step']} (saved by {meta['strategy']} on "
                     f"{meta['world_size']} process(es))")
         if plan.weights_only:
             plan.why += "; it holds weights only, no AdamW moments: AdamW starts fresh"
+        plan.why += "".join(f"; {line}" for line in plan.carried.said)
+        plan.superseded = superseded_note(out_dir, plan.step)
     elif cfg.model.init_from:
         path = cfg.model.init_from
         shapes = shapes or param_shapes(cfg.model)
@@ -108,3 +139,19 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0)
         plan.init_from = path
         plan.why += f"; weights from {path} (model.init_from), a fresh AdamW"
     return plan
+
+
+def chosen_checkpoint(out_dir: Path, text: str) -> str:
+    """The step folder --from-checkpoint `text` names (a folder name, a step number, or the folder's path)
+    among this run's checkpoints; UserError when this run holds none of that name."""
+    root = checkpoint.checkpoint_root(out_dir)
+    name = step_dir_name(int(text)) if text.isdigit() else Path(text).name
+    inside = os.sep not in text or Path(text).resolve().parent == root.resolve()
+    if inside and is_step_name(name) and (root / name).is_dir():
+        return name
+    have = sorted(p.name for p in checkpoint_order(root))
+    where = f"choose one of {', '.join(have)}" if have else "it holds none yet"
+    if not inside:
+        raise UserError(f"--from-checkpoint {text} is not a checkpoint of this run ({root}: {where}); to start "
+                        f"from another run's weights, set model.init_from")
+    raise UserError(f"--from-checkpoint {text}: there is no checkpoint {name} in {root} (train.out_dir's); {where}")

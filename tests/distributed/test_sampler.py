@@ -1,7 +1,8 @@
 """The sampler in a real run: training on a mixture of two prepared folders at world 2, with document
 masking (doc_ids from the folders' indexes), follows one process on the same global batches, and resumed
 at world 1 continues the same epoch order (the trajectory of one uninterrupted process);
-metrics.jsonl records epochs and each source's validation loss; `zerodp eval` and `plan --from-run` read
+metrics.jsonl records epochs and each source's validation loss, the same one process computes (`zerodp
+eval`: the validation set does not depend on the world size); `zerodp eval` and `plan --from-run` read
 the run; and `zerodp data batch --decode` prints exactly the tokens each rank's loop handed the model."""
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
         assert code == 0, err
         return out
 
+    # The validation set is the same at every world size: one process (zerodp eval, the same code) on the
+    # step-4 checkpoint computes the val_loss the two ranks logged, each source's too (it took twice the
+    # samples at world 2 before)
+    validation = json.loads(cli("eval", run, "--json", "--no-progress"))
+    assert abs(validation["val_loss"] - last["val_loss"]) < 1e-6, (validation, last)
+    assert all(abs(validation["sources"][n]["val_loss"] - last[f"val_loss/{n}"]) < 1e-6 for n in ("code", "more"))
     # zerodp eval and plan --from-run read the mixture's run as any other
     result = json.loads(cli("eval", run, "--json", "--max-tokens", 2000, "--no-progress"))
     each = result["sources"]

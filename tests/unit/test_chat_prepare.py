@@ -326,3 +326,24 @@ def test_a_mixture_masks_only_the_rows_of_its_masked_source(tmp_path, model, tin
     ignored = (y == IGNORE_INDEX).any(dim=1).numpy()
     assert set(where.source[ignored].tolist()) == {0} and ignored.any()  # only chat rows have ignored targets
     assert (where.source == 1).any()
+
+
+def test_a_small_set_keeps_one_conversation_for_validation_and_says_so(tmp_path, model, capsys):
+    """With --val-fraction 0.01 none of 4 conversations falls in val: the last one goes there (tokens, mask
+    and index), one note says so, and --val-fraction 0 still means no validation split."""
+    folder, _, _ = model
+    src = write_rows(tmp_path / "chats.jsonl", ROWS)
+    assert run(src, "--chat", "--tokenizer", folder, "--out", tmp_path / "all", "--val-fraction", 0) == 0
+    everything, _ = prepared(tmp_path / "all")
+    capsys.readouterr()
+    assert run(src, "--chat", "--tokenizer", folder, "--out", tmp_path / "out", "--val-fraction", 0.01) == 0
+    err = capsys.readouterr().err
+    assert err == ("zerodp: note: --val-fraction 0.01 put none of the 4 conversations in val.bin, so the last one "
+                   "went there for validation (--val-fraction 0: no validation split)\n"), err
+    train, meta = prepared(tmp_path / "out")
+    val, _ = prepared(tmp_path / "out", "val")
+    assert train == everything[:3] and val == everything[3:]
+    splits = meta["splits"]
+    assert (splits["train"]["documents"], splits["val"]["documents"]) == (3, 1)
+    assert splits["val"]["tokens"] == len(val[0][0]) and splits["val"]["targets"] == sum(val[0][1]) > 0
+    assert splits["train"]["tokens"] == sum(len(i) for i, _ in train) and meta["chat"]["val_from_train"] == 1

@@ -117,4 +117,8 @@ def _chat_summary(meta: dict, out: str) -> int:
           f"({tr['targets']:,} targets), val {plural(va['documents'], 'conversation')} / "
           f"{plural(va['tokens'], 'token')} ({va['targets']:,} targets); train on {chat['train_on']}; "
           f"{'; '.join(left) if left else 'no row skipped'} ({meta['seconds']:.1f} s)")
+    if chat.get("val_from_train"):
+        print(f"zerodp: note: --val-fraction {meta['val_fraction']} put none of the "
+              f"{plural(meta['documents'], 'conversation')} in val.bin, so the last one went there for validation "
+              f"(--val-fraction 0: no validation split)", file=sys.stderr)
     return 0

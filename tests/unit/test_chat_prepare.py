@@ -347,3 +347,19 @@ def test_a_small_set_keeps_one_conversation_for_validation_and_says_so(tmp_path,
     assert (splits["train"]["documents"], splits["val"]["documents"]) == (3, 1)
     assert splits["val"]["tokens"] == len(val[0][0]) and splits["val"]["targets"] == sum(val[0][1]) > 0
     assert splits["train"]["tokens"] == sum(len(i) for i, _ in train) and meta["chat"]["val_from_train"] == 1
+
+
+def test_chat_rows_prepared_without_chat_are_told_to_use_chat(tmp_path, tok_file, capsys):
+    """Conversations given to the text path: the one line suggests --chat, not --field."""
+    src = write_rows(tmp_path / "chats.jsonl", ROWS)
+    one_line_error(capsys, run(src, "--tokenizer", tok_file, "--out", tmp_path / "out"),
+                   r"chats\.jsonl, line 1: no field 'text' \(its fields: messages\); these rows are conversations: "
+                   r"prepare them with --chat")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["2 + 2?"], "response": ["4"]}), tmp_path / "pairs.parquet")
+    one_line_error(capsys, run(tmp_path / "pairs.parquet", "--tokenizer", tok_file, "--out", tmp_path / "out"),
+                   r"no column 'text' \(its columns: prompt, response\); these rows are conversations: prepare "
+                   r"them with --chat")
+    assert not (tmp_path / "out").exists()

@@ -126,3 +126,23 @@ def test_eval_of_a_split_without_targets_says_what_to_do(tmp_path, capsys):
                    r"^zerodp: error: the validation split \(.*val.bin\) holds no target tokens in the 6 samples "
                    r"evaluated \(its loss mask is all 0 there\); evaluate more of it \(--all\) or prepare with "
                    r"--train-on all$")
+
+
+def test_a_block_size_past_the_models_positions_is_said_at_start_up(tmp_path, capsys):
+    """model.block_size above model.hf_config's max_position_embeddings: one warning line at start-up (the
+    dimensions are configs/tiny.yaml's)."""
+    hf = tmp_path / "llama"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "num_hidden_layers": 4, "vocab_size": 256, "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}))
+    base = ["train", "configs/tiny.yaml", "data.max_bytes=100000", f"model.hf_config={hf}", "strategy.name=single",
+            "--dry-run"]
+    assert main([*base, "model.block_size=128"]) == 0
+    warning = (f"zerodp: warning: model.block_size=128 is past the 64 positions of {hf / 'config.json'} "
+               f"(max_position_embeddings): the model never saw positions past 64; set model.block_size=64 or "
+               f"fewer unless you mean to extend its context\n")
+    assert warning in capsys.readouterr().err
+    assert main([*base, "model.block_size=64"]) == 0
+    assert "max_position_embeddings" not in capsys.readouterr().err

@@ -134,6 +134,8 @@ def open_run_folder(env: DistEnv, ready: Ready) -> None:
             log(env, line)
     if ready.train_data.note:
         log(env, ready.train_data.note)
+    for note in ready.notes:  # what data.packing=false never trains, a context past the model's
+        log(env, note)
     if env.rank == 0:
         if ready.start.set_aside:
             _set_aside_earlier_run(env, Path(cfg.train.out_dir), ready.start.set_aside)

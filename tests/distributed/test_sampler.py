@@ -87,6 +87,10 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
             assert row["text"] == tokenizer.decode(got, skip_special_tokens=False)
             assert row["tokens"][1] - row["tokens"][0] == len(got)
 
+    own = json.loads(cli("data", "batch", run, "--step", 0, "--json"))  # no --world: the run's, from its checkpoint
+    assert (own["world"], own["micro"], own["accumulation"]) == (2, MICRO, G // (2 * MICRO))
+    assert [r["rank"] for r in own["rows"]] == [j // (G // 2) for j in range(G)]
+
     # Resumed from step STEPS's checkpoint at another world size (1: 4 accumulation steps of 2), the run
     # trains the samples the epoch order puts next: the uninterrupted trajectory, step for step.
     more = [o for o in over if not o.startswith(("train.max_steps=", "checkpoint.every="))]

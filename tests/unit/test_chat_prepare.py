@@ -347,6 +347,11 @@ def test_a_small_set_keeps_one_conversation_for_validation_and_says_so(tmp_path,
     assert (splits["train"]["documents"], splits["val"]["documents"]) == (3, 1)
     assert splits["val"]["tokens"] == len(val[0][0]) and splits["val"]["targets"] == sum(val[0][1]) > 0
     assert splits["train"]["tokens"] == sum(len(i) for i, _ in train) and meta["chat"]["val_from_train"] == 1
+    # the recipe's --max-len (block_size + 1): a val.bin too short for one sample of that run is said too
+    assert run(src, "--chat", "--tokenizer", folder, "--out", tmp_path / "long", "--max-len", 2049) == 0
+    n = splits["val"]["tokens"]
+    assert (f"zerodp: note: val.bin holds {n} tokens, fewer than --max-len + 1 = 2,050: a run at model.block_size "
+            f"2,048 cannot validate on it") in capsys.readouterr().err
 
 
 def test_chat_rows_prepared_without_chat_are_told_to_use_chat(tmp_path, tok_file, capsys):

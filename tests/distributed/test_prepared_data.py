@@ -253,13 +253,13 @@ def test_eval_matches_transformers_on_the_export(prepared, trained, exported):
 
     root, _, meta = prepared
     out, _ = trained
-    r = cli("eval", out, "--json", "--batch-size", 3)
+    r = cli("eval", out, "--json", "--batch-size", 3, "--all")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     val = np.fromfile(root / "data" / "val.bin", dtype=meta["dtype"]).astype(np.int64)
     T = 32
     windows = (len(val) - 1) // T
-    assert result["windows"] == windows and result["tokens"] == windows * T
+    assert result["samples"] == windows and result["tokens"] == windows * T
     model = AutoModelForCausalLM.from_pretrained(exported).eval()
     buf = torch.from_numpy(np.stack([val[i * T : i * T + T + 1] for i in range(windows)]))
     with torch.no_grad():

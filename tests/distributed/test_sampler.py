@@ -1,7 +1,8 @@
 """The sampler in a real run: training on a mixture of two prepared folders at world 2, with document
 masking (doc_ids from the folders' indexes), follows one process on the same global batches, and resumed
 at world 1 continues the same epoch order (the trajectory of one uninterrupted process);
-metrics.jsonl records epochs and each source's validation loss; `zerodp eval` and `plan --from-run` read
+metrics.jsonl records epochs and each source's validation loss, the same one process computes (`zerodp
+eval`: the validation set does not depend on the world size); `zerodp eval` and `plan --from-run` read
 the run; and `zerodp data batch --decode` prints exactly the tokens each rank's loop handed the model."""
 
 from __future__ import annotations
@@ -63,6 +64,12 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
         assert code == 0, err
         return out
 
+    # The validation set is the same at every world size: one process (zerodp eval, the same code) on the
+    # step-4 checkpoint computes the val_loss the two ranks logged, each source's too (it took twice the
+    # samples at world 2 before)
+    validation = json.loads(cli("eval", run, "--json", "--no-progress"))
+    assert abs(validation["val_loss"] - last["val_loss"]) < 1e-6, (validation, last)
+    assert all(abs(validation["sources"][n]["val_loss"] - last[f"val_loss/{n}"]) < 1e-6 for n in ("code", "more"))
     # zerodp eval and plan --from-run read the mixture's run as any other
     result = json.loads(cli("eval", run, "--json", "--max-tokens", 2000, "--no-progress"))
     each = result["sources"]
@@ -79,6 +86,10 @@ def test_a_mixture_at_world_2_follows_one_process_and_data_batch_decodes_it(tiny
             got = ranks[row["rank"]]["rows"][step][row["micro"]][row["row"] % MICRO]  # what that rank's loop received
             assert row["text"] == tokenizer.decode(got, skip_special_tokens=False)
             assert row["tokens"][1] - row["tokens"][0] == len(got)
+
+    own = json.loads(cli("data", "batch", run, "--step", 0, "--json"))  # no --world: the run's, from its checkpoint
+    assert (own["world"], own["micro"], own["accumulation"]) == (2, MICRO, G // (2 * MICRO))
+    assert [r["rank"] for r in own["rows"]] == [j // (G // 2) for j in range(G)]
 
     # Resumed from step STEPS's checkpoint at another world size (1: 4 accumulation steps of 2), the run
     # trains the samples the epoch order puts next: the uninterrupted trajectory, step for step.

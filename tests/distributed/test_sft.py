@@ -136,14 +136,17 @@ def test_transformers_answers_with_the_template_and_stops_at_the_end_of_turn(sft
 
 def test_eval_reports_the_loss_over_the_answers(sft, capsys):
     root, _, readme = sft
-    assert main(["eval", str(root / "run"), "--json", "--no-progress"]) == 0
+    assert main(["eval", str(root / "run"), "--json", "--no-progress"]) == 0  # the run's validation set
+    logged = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert abs(json.loads(capsys.readouterr().out)["val_loss"] - logged["val_loss"]) < 1e-6  # zero3, world 2
+    assert main(["eval", str(root / "run"), "--json", "--no-progress", "--all"]) == 0  # the whole split
     result = json.loads(capsys.readouterr().out)
     meta = json.loads((root / "data" / "meta.json").read_text())
     assert 0 < result["targets"] < result["tokens"] and np.isfinite(result["val_loss"])
     assert result["targets"] <= meta["splits"]["val"]["targets"]
-    assert main(["eval", str(root / "run"), "--no-progress"]) == 0
+    assert main(["eval", str(root / "run"), "--no-progress", "--all"]) == 0
     assert f"{result['targets']:,} of them targets" in capsys.readouterr().out
-    # the README's form: the export, the prepared folder named: the same windows, the same loss
+    # the README's form: the export, the prepared folder named: the whole split, the same loss
     assert main([*readme["eval"][1:], "--json", "--no-progress"]) == 0
     exported = json.loads(capsys.readouterr().out)
     assert (exported["targets"], exported["tokens"]) == (result["targets"], result["tokens"])

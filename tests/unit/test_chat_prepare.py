@@ -326,3 +326,45 @@ def test_a_mixture_masks_only_the_rows_of_its_masked_source(tmp_path, model, tin
     ignored = (y == IGNORE_INDEX).any(dim=1).numpy()
     assert set(where.source[ignored].tolist()) == {0} and ignored.any()  # only chat rows have ignored targets
     assert (where.source == 1).any()
+
+
+def test_a_small_set_keeps_one_conversation_for_validation_and_says_so(tmp_path, model, capsys):
+    """With --val-fraction 0.01 none of 4 conversations falls in val: the last one goes there (tokens, mask
+    and index), one note says so, and --val-fraction 0 still means no validation split."""
+    folder, _, _ = model
+    src = write_rows(tmp_path / "chats.jsonl", ROWS)
+    assert run(src, "--chat", "--tokenizer", folder, "--out", tmp_path / "all", "--val-fraction", 0) == 0
+    everything, _ = prepared(tmp_path / "all")
+    capsys.readouterr()
+    assert run(src, "--chat", "--tokenizer", folder, "--out", tmp_path / "out", "--val-fraction", 0.01) == 0
+    err = capsys.readouterr().err
+    assert err == ("zerodp: note: --val-fraction 0.01 put none of the 4 conversations in val.bin, so the last one "
+                   "went there for validation (--val-fraction 0: no validation split)\n"), err
+    train, meta = prepared(tmp_path / "out")
+    val, _ = prepared(tmp_path / "out", "val")
+    assert train == everything[:3] and val == everything[3:]
+    splits = meta["splits"]
+    assert (splits["train"]["documents"], splits["val"]["documents"]) == (3, 1)
+    assert splits["val"]["tokens"] == len(val[0][0]) and splits["val"]["targets"] == sum(val[0][1]) > 0
+    assert splits["train"]["tokens"] == sum(len(i) for i, _ in train) and meta["chat"]["val_from_train"] == 1
+    # the recipe's --max-len (block_size + 1): a val.bin too short for one sample of that run is said too
+    assert run(src, "--chat", "--tokenizer", folder, "--out", tmp_path / "long", "--max-len", 2049) == 0
+    n = splits["val"]["tokens"]
+    assert (f"zerodp: note: val.bin holds {n} tokens, fewer than --max-len + 1 = 2,050: a run at model.block_size "
+            f"2,048 cannot validate on it") in capsys.readouterr().err
+
+
+def test_chat_rows_prepared_without_chat_are_told_to_use_chat(tmp_path, tok_file, capsys):
+    """Conversations given to the text path: the one line suggests --chat, not --field."""
+    src = write_rows(tmp_path / "chats.jsonl", ROWS)
+    one_line_error(capsys, run(src, "--tokenizer", tok_file, "--out", tmp_path / "out"),
+                   r"chats\.jsonl, line 1: no field 'text' \(its fields: messages\); these rows are conversations: "
+                   r"prepare them with --chat")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["2 + 2?"], "response": ["4"]}), tmp_path / "pairs.parquet")
+    one_line_error(capsys, run(tmp_path / "pairs.parquet", "--tokenizer", tok_file, "--out", tmp_path / "out"),
+                   r"no column 'text' \(its columns: prompt, response\); these rows are conversations: prepare "
+                   r"them with --chat")
+    assert not (tmp_path / "out").exists()

@@ -4,6 +4,11 @@ Without a prepare folder with an index it is a one-line error, exit 2."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -82,3 +87,60 @@ def test_packing_false_without_an_index_is_one_line_exit_2(tmp_path, capsys, sou
     code = main(["train", "configs/tiny.yaml", f"data.source={source}", "data.packing=false", "model.vocab_size=256",
                  "--dry-run"])
     one_line_error(capsys, code, pattern)
+
+
+def test_start_up_says_what_unpacked_samples_never_train(folder, capsys):
+    """Conversations longer than a sample lose their targets past block_size + 1 tokens: start-up says how
+    many conversations and targets, the numbers the batches themselves give."""
+    path, docs = folder
+    cfg, data = batches(path)
+    mask, index = data.streams[0].mask, data.streams[0].index
+    trained = int(data.target_counts(index).sum())  # every conversation's one sample
+    total = int(mask.sum())
+    long = sum(n > T + 1 for n in docs)
+    assert 0 < trained < total and long > 0
+    code = main(["train", "configs/tiny.yaml", *TINY, f"data.source={path}", "data.packing=false",
+                 f"model.block_size={T}", "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert (f"zerodp: data.packing=false: {long:,} of {len(docs)} conversations of {path / 'train.bin'} are longer "
+            f"than a sample, and {total - trained:,} of its {total:,} targets are never trained (a sample is a "
+            f"conversation's first model.block_size+1={T + 1} tokens); raise model.block_size, drop them at prepare "
+            f"time (--max-len {T + 1} --too-long drop), or set data.packing=true\n") in err, err
+
+
+@pytest.fixture(scope="module")
+def no_targets(tmp_path_factory):
+    """Conversations of 40 tokens whose targets are their last 8: none within a sample of 16 + 1 tokens."""
+    return write_prepared(tmp_path_factory.mktemp("late") / "data", [40] * 30, [40] * 6, targets=[0.2])
+
+
+def test_a_run_whose_samples_hold_no_target_is_refused_and_writes_nothing(no_targets, tmp_path):
+    """A launch (its own process: a failed launch leaves the process at once) is refused in one line, exit 2,
+    before it creates its run folder. It trained `loss 0.0000` every step before, and zerodp verify passed
+    on it; verify's runs are refused the same way now (and its verdict needs targets: tests/unit/test_verify.py)."""
+    run = tmp_path / "runs" / "late"
+    r = subprocess.run([sys.executable, "-m", "zerodp", "train", "configs/tiny.yaml", *TINY,
+                        f"data.source={no_targets}", "data.packing=false", "model.block_size=16",
+                        f"train.out_dir={run}", "train.max_steps=1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert re.fullmatch(r"zerodp: error: data.packing=false: no sample of .*train.bin holds a target: of its 30 "
+                        r"conversations, 30 are longer than a sample \(model.block_size\+1=17 tokens\) and none "
+                        r"has a target within its first 17 tokens \(240 targets in all\); raise model.block_size "
+                        r"or set data.packing=true\n", r.stderr), r.stderr
+    assert not (tmp_path / "runs").exists()  # the refused launch left no run folder
+
+
+def test_data_batch_reports_the_padded_rows_trained(folder, capsys):
+    """Unpacked rows: each row's real tokens (a conversation's first block_size + 1 at most), its padding and
+    its targets, which add up to the step's target_tokens."""
+    path, docs = folder
+    cfg, data = batches(path)
+    over = [*TINY, f"data.source={path}", "data.packing=false", f"model.block_size={T}", f"train.global_batch_size={G}"]
+    assert main(["data", "batch", "configs/tiny.yaml", *over, "--step", "3", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    where = data.locate(3, G)
+    assert got["targets"] == data.rank_micro_batches(3, G, 2, 0, 1).targets == sum(r["targets"] for r in got["rows"])
+    for r, doc, start in zip(got["rows"], where.sample.tolist(), where.start.tolist()):
+        n = min(docs[doc], T + 1)
+        assert r["tokens"] == [start, start + n] and r["padding"] == T + 1 - n and r["documents"] == [doc, doc]

@@ -34,3 +34,14 @@ def test_the_verdict_names_the_first_step_and_the_tensors_most_apart():
     assert "FAIL: the first differing step is 3" in report and "most: c 2.00e-02, b 3.00e-03" in report
     assert Verdict(TOLERANCES["fp32"], steps=[(1, 1e-6, 1e-5)], weights={"a": 1e-5}).passed
     assert tolerance_for("fp32", "fp32") is TOLERANCES["fp32"] and tolerance_for("fp32", "bf16") is TOLERANCES["16bit"]
+
+
+def test_a_verdict_on_steps_without_targets_fails_nothing_was_compared():
+    """Two runs whose steps held no target token agree trivially (every loss and gradient 0): no pass."""
+    same = dict(steps=[(1, 0.0, 0.0), (2, 0.0, 0.0)], weights={"a": 0.0})
+    v = Verdict(TOLERANCES["fp32"], targets=0, **same)
+    assert not v.passed
+    assert "FAIL: nothing was compared: the 2 steps held no target token" in v.report("x", "y")
+    assert Verdict(TOLERANCES["fp32"], targets=97, **same).passed  # a loss mask with targets
+    assert Verdict(TOLERANCES["fp32"], targets=None, **same).passed  # every token a target
+    assert not Verdict(TOLERANCES["fp32"], weights={"a": 0.0}).passed  # no step at all

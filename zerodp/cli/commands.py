@@ -143,6 +143,8 @@ def _dry_run(cfg, fresh: bool, given: dict, start: dict) -> int:
         memory, name = device_memory(machine.device, machine.local_world_size)
         plan = plan_for_training(cfg, world, memory, name)
     if rank0:
+        for note in ready.notes:  # what the launch says at start-up about its inputs
+            print(f"zerodp: {note}", file=sys.stderr)
         print(plan.table())
         print()
         print(dump_yaml(resolved), end="")

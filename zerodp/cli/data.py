@@ -27,7 +27,9 @@ def add_data_parser(sub) -> None:
                                        "batch", description="Print step K's global batch as training draws it.")
     _config_args(b)
     b.add_argument("--step", type=int, required=True, help="the optimizer step (0 is the first)")
-    b.add_argument("--world", type=int, default=1, help="ranks to split the batch over (default 1)")
+    b.add_argument("--world", type=int, default=None,
+                   help="ranks to split the batch over (default: a run folder's own, from its newest checkpoint; "
+                        "else 1)")
     b.add_argument("--micro", type=int, default=None, help="micro batch per rank (default train.micro_batch_size)")
     b.add_argument("--json", action="store_true", help="one JSON object")
     b.add_argument("--decode", action="store_true", help="each sample's text (the prepared folder's tokenizer; bytes "
@@ -56,6 +58,24 @@ def _config(path: str, overrides: list[str]):
     return load_config(str(p), overrides)
 
 
+def run_world(path: str) -> int | None:
+    """The world size a run folder's newest checkpoint records (`checkpoints/latest`, else the newest
+    step folder), or None (a config file, a run without a checkpoint)."""
+    from zerodp.checkpoint.manifest import checkpoint_order
+
+    root = Path(path) / "checkpoints"
+    if not Path(path).is_dir() or not root.is_dir():
+        return None
+    for folder in checkpoint_order(root):
+        try:
+            world = json.loads((folder / "meta.json").read_text()).get("world_size")
+        except (OSError, ValueError):
+            continue
+        if isinstance(world, int) and world >= 1:
+            return world
+    return None
+
+
 def _batches(cfg, split: str = "train"):
     from zerodp.data.batches import TokenBatches, load_tokens
 
@@ -64,29 +84,36 @@ def _batches(cfg, split: str = "train"):
 
 def rows_of(cfg, step: int, world: int, micro: int, decode: bool = False) -> list[dict]:
     """Step `step`'s global batch, a dict per row: row, rank, micro, source, sample, epoch, tokens
-    [start, end) in the source's split file, documents [first, last] (None without an index), and with
-    `decode` the sample's text."""
+    [start, end) in the source's split file (the real tokens of the row: with data.packing=false a
+    conversation's first block_size + 1 at most, the rest of the row padding), documents [first, last]
+    (None without an index), targets (the row's target tokens, what its loss is taken over), padding, and
+    with `decode` the sample's text."""
+    import numpy as np
+
     from zerodp.data.samples import documents_of
 
     data, G, T = _batches(cfg), cfg.train.global_batch_size, cfg.model.block_size
     where, per_rank = data.locate(step, G), G // world
+    lengths = data._lengths(where.source, where.start)  # T + 1, or an unpacked row's real tokens
+    targets = data.target_counts(data.bases[where.source] + where.start)
     if decode:
         from zerodp.trainer.sample import decode as decode_tokens
     out = []
     for j, (d, sample, start) in enumerate(zip(where.source.tolist(), where.sample.tolist(), where.start.tolist())):
-        s = data.streams[d]
-        docs = documents_of(s.index, start, T + 1) if s.index is not None and len(s.index) else None
+        s, n = data.streams[d], int(lengths[j])
+        docs = documents_of(s.index, start, n) if s.index is not None and len(s.index) else None
         row = {"row": j, "rank": j // per_rank, "micro": (j % per_rank) // micro, "source": s.name,
-               "file": s.where, "sample": sample, "tokens": [start, start + T + 1],
-               "documents": list(docs) if docs is not None else None}
+               "file": s.where, "sample": sample, "tokens": [start, start + n],
+               "documents": list(docs) if docs is not None else None, "targets": int(targets[j]),
+               "padding": T + 1 - n}
         if decode:
-            row["text"] = decode_tokens(cfg, [int(t) for t in s.tokens[start : start + T + 1]])
+            row["text"] = decode_tokens(cfg, [int(t) for t in np.asarray(s.tokens[start : start + n])])
         out.append(row)
     return out
 
 
 def run_batch(args) -> int:
-    if args.step < 0 or args.world < 1 or (args.micro is not None and args.micro < 1):
+    if args.step < 0 or (args.world is not None and args.world < 1) or (args.micro is not None and args.micro < 1):
         raise UserError(f"--step {args.step} --world {args.world} --micro {args.micro}: give a step >= 0 and a world "
                         f"and micro batch >= 1")
     cfg = _config(args.config, args.overrides)
@@ -94,21 +121,26 @@ def run_batch(args) -> int:
         cfg.train.micro_batch_size = args.micro
     if cfg.train.micro_batch_size == "auto":
         raise UserError("train.micro_batch_size is auto: the planner picks it at launch; give --micro N")
-    accum = cfg.check_batch_split(args.world)
+    world = args.world or run_world(args.config) or 1  # a run folder's own world size unless --world says
+    accum = cfg.check_batch_split(world)
     micro = cfg.train.micro_batch_size
-    rows = rows_of(cfg, args.step, args.world, micro, args.decode)
-    head = {"step": args.step, "global_batch": cfg.train.global_batch_size, "world": args.world, "micro": micro,
-            "accumulation": accum, "block_size": cfg.model.block_size}
+    rows = rows_of(cfg, args.step, world, micro, args.decode)
+    head = {"step": args.step, "global_batch": cfg.train.global_batch_size, "world": world, "micro": micro,
+            "accumulation": accum, "block_size": cfg.model.block_size, "packing": cfg.data.packing,
+            "targets": sum(r["targets"] for r in rows)}
     if args.json:
         print(json.dumps({**head, "rows": rows}))
         return 0
-    print(f"step {args.step}: global batch {head['global_batch']} = micro {micro} x world {args.world} x accum "
-          f"{accum}, samples of {cfg.model.block_size + 1} tokens")
+    shape = (f"samples of {cfg.model.block_size + 1} tokens" if cfg.data.packing else
+             f"one conversation a sample, its first {cfg.model.block_size + 1} tokens at most, padded")
+    print(f"step {args.step}: global batch {head['global_batch']} = micro {micro} x world {world} x accum "
+          f"{accum}, {shape}; {head['targets']:,} target tokens")
     for r in rows:
         docs = "-" if r["documents"] is None else (f"document {r['documents'][0]}" if r["documents"][0] == r[
             "documents"][1] else f"documents {r['documents'][0]}-{r['documents'][1]}")
+        pad = f", {r['padding']} padding" if r["padding"] else ""
         print(f"row {r['row']:>4}  rank {r['rank']} micro {r['micro']}  {r['source']}  sample {r['sample']:,}  tokens "
-              f"[{r['tokens'][0]:,}, {r['tokens'][1]:,})  {docs}")
+              f"[{r['tokens'][0]:,}, {r['tokens'][1]:,})  {docs}  {r['targets']:,} targets{pad}")
         if args.decode:
             print(f"      {r['text']!r}")
     return 0

@@ -117,4 +117,13 @@ def _chat_summary(meta: dict, out: str) -> int:
           f"({tr['targets']:,} targets), val {plural(va['documents'], 'conversation')} / "
           f"{plural(va['tokens'], 'token')} ({va['targets']:,} targets); train on {chat['train_on']}; "
           f"{'; '.join(left) if left else 'no row skipped'} ({meta['seconds']:.1f} s)")
+    if chat.get("val_from_train"):
+        print(f"zerodp: note: --val-fraction {meta['val_fraction']} put none of the "
+              f"{plural(meta['documents'], 'conversation')} in val.bin, so the last one went there for validation "
+              f"(--val-fraction 0: no validation split)", file=sys.stderr)
+    if chat["max_len"] and 0 < va["tokens"] < chat["max_len"] + 1:  # --max-len is block_size + 1 in the recipe
+        print(f"zerodp: note: val.bin holds {plural(va['tokens'], 'token')}, fewer than --max-len + 1 = "
+              f"{chat['max_len'] + 1:,}: a run at model.block_size {chat['max_len'] - 1:,} cannot validate on it (a "
+              f"sample is block_size + 2 tokens); raise --val-fraction, or train with train.eval_every=0",
+              file=sys.stderr)
     return 0

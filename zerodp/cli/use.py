@@ -31,8 +31,10 @@ GENERATE_EXAMPLES = """examples:
 """
 
 EVAL_EXAMPLES = """examples:
-  zerodp eval runs/llama-mine                       # the validation split the run trained beside
+  zerodp eval runs/llama-mine                       # the run's val_loss: its validation set, as training computed it
+  zerodp eval runs/llama-mine --all                 # every sample of the validation split once
   zerodp eval exports/llama-hf data.source=data/mine --max-tokens 1000000
+  zerodp eval exports/sft-hf data.source=data/sft data.document_masking=true   # as the run saw its data
 """
 
 
@@ -61,19 +63,24 @@ def add_parsers(subparsers) -> None:
     e = subparsers.add_parser(
         "eval", help="print a checkpoint's validation loss and perplexity (one process, CPU or GPU)",
         description="Load a checkpoint on one process and compute the mean cross-entropy (and its exp, the "
-                    "perplexity) over the validation split: a `zerodp prepare` folder's val.bin, or the last "
-                    "data.val_fraction of another source, cut into consecutive windows of model.block_size "
-                    "tokens; with a loss mask (zerodp prepare --chat) over the target tokens only, their "
-                    "losses' sum over their count. The data is the run's own data.source unless an override "
-                    "names another.",
+                    "perplexity) over the target tokens: for a run (or an export that records its config), the "
+                    "run's validation set (train.eval_batches micro batches of the val split, the val_loss training "
+                    "logged, computed by the same code); with --all or --max-tokens, or for a checkpoint without "
+                    "the run's config (a Hugging Face folder), every sample of the validation split once (a "
+                    "`zerodp prepare` folder's val.bin, or the last data.val_fraction of another source). Either "
+                    "takes the data settings: the loss mask (zerodp prepare --chat), data.packing and "
+                    "data.document_masking, the run's unless an override names others.",
         epilog=EVAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("path", metavar="PATH",
                    help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
     e.add_argument("overrides", nargs="*", metavar="data.KEY=VALUE",
                    help="data settings in place of the run's, e.g. data.source=DIR (a zerodp prepare folder)")
-    e.add_argument("--batch-size", type=int, default=8, metavar="B", help="windows per forward (default 8)")
+    e.add_argument("--batch-size", type=int, default=8, metavar="B",
+                   help="samples per forward with --all (default 8; the validation set takes the run's micro batches)")
+    e.add_argument("--all", action="store_true",
+                   help="every sample of the validation split once, not the run's validation set")
     e.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="evaluate the first N tokens of the split only (default: all of it)")
+                   help="every sample within the first N tokens of the validation split (implies --all)")
     e.add_argument("--json", action="store_true", help="print the result as one JSON object")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     _common(e)
@@ -294,7 +301,7 @@ def run_eval(args) -> int:
     from zerodp.api import model_from_source  # after the check of the arguments alone: imports torch
     from zerodp.config.sources import primary_source
     from zerodp.convert import open_checkpoint
-    from zerodp.data.batches import Mixture, PreparedTokens, load_tokens, prepared_meta
+    from zerodp.data.batches import TokenBatches, load_tokens, prepared_meta
 
     device = _device(args.device)
     with open_checkpoint(args.path) as source:
@@ -305,69 +312,114 @@ def run_eval(args) -> int:
         if recorded and prepared is not None and used != recorded:
             raise UserError(f"{primary_source(cfg.data)} was prepared with another tokenizer than the one {args.path} "
                             f"was trained with (sha256 differs); evaluate on data prepared with the run's tokenizer")
+        # A run (or an export of its config) has a validation set; a Hugging Face folder records none.
+        whole = args.all or args.max_tokens is not None or not _run_config(source).get("train")
         tokens = load_tokens(cfg)
+        _check_val_length(tokens, cfg)
+        # eval reads the val split whatever train.eval_every was (TokenBatches would read train for a short one)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, eval_every=max(1, cfg.train.eval_every)))
+        data = TokenBatches(tokens, cfg, "val")
         model = model_from_source(source, device)
-    if isinstance(tokens, Mixture):  # each source's val.bin, and their mean by weight
-        splits = [(p.name, p.weight, p.data.val, p.data.folder / "val.bin") for p in tokens.parts]
-        masks = [p.data.val_mask for p in tokens.parts]
-    elif isinstance(tokens, PreparedTokens):
-        splits, masks = [(None, 1.0, tokens.val, tokens.folder / "val.bin")], [tokens.val_mask]
+    if data.note:
+        print(f"zerodp: {data.note}", file=sys.stderr)
+    if whole:
+        results = [_eval_split(model, part, args, device) for _, part in data.per_source()]
     else:
-        n_val = int(len(tokens) * cfg.data.val_fraction)
-        splits = [(None, 1.0, tokens[len(tokens) - n_val:], f"the last {cfg.data.val_fraction:g} of {cfg.data.source}")]
-        masks = [None]
-    results = [_eval_split(model, split, mask, where, args, device)
-               for (_, _, split, where), mask in zip(splits, masks)]
+        results = _eval_validation_set(model, data, cfg, args, device)
+    how = (("document masking on" if data.with_doc_ids else "document masking off") + ", "
+           + ("packed" if data.packing else "one document a sample (data.packing=false)"))
     if len(results) == 1:
-        result = results[0]
+        result = {**results[0], "documents_masked": data.with_doc_ids, "packing": data.packing}
     else:
-        total = sum(w for _, w, _, _ in splits)
-        loss = sum(w * r["val_loss"] for (_, w, _, _), r in zip(splits, results)) / total
-        result = {"val_loss": loss, "perplexity": math.exp(min(loss, 700)),
-                  "sources": {name: r for (name, _, _, _), r in zip(splits, results)}}
+        weights = [s.weight for s in data.streams]
+        loss = sum(w * r["val_loss"] for w, r in zip(weights, results)) / sum(weights)
+        result = {"val_loss": loss, "perplexity": math.exp(min(loss, 700)), "set": results[0]["set"],
+                  "documents_masked": data.with_doc_ids, "packing": data.packing,
+                  "sources": {s.name: r for s, r in zip(data.streams, results)}}
     if args.json:
         print(json.dumps(result))
         return 0
-    for (name, weight, _, where), r in zip(splits, results):
+    for stream, r in zip(data.streams, results):
         targets = f", {r['targets']:,} of them targets" if r["targets"] != r["tokens"] else ""
-        print(("" if name is None else f"{name} (weight {weight:g}): ") + f"val_loss {r['val_loss']:.4f}  perplexity "
-              f"{r['perplexity']:.3f}  ({r['tokens']:,} tokens{targets}: {r['windows']:,} windows of "
-              f"{model.arch.block_size} from {where})")
+        what = (f"the run's validation set: {cfg.train.eval_batches} micro batches of {cfg.train.micro_batch_size}"
+                if r["set"] == "validation" else f"{r['samples']:,} samples of {model.arch.block_size}")
+        print(("" if len(results) == 1 else f"{stream.name} (weight {stream.weight:g}): ")
+              + f"val_loss {r['val_loss']:.4f}  perplexity {r['perplexity']:.3f}  ({r['tokens']:,} tokens{targets}: "
+              f"{what} from {stream.where}; {how})")
     if len(results) > 1:
         print(f"val_loss {result['val_loss']:.4f}  perplexity {result['perplexity']:.3f}  (the sources' mean by "
               f"weight)")
     return 0
 
 
-def _eval_split(model, split, mask, where, args, device) -> dict:
-    """The loss over the target tokens of the consecutive windows of `split` (its first --max-tokens): the
-    sum of their losses over their number (every token where the split has no loss `mask`)."""
+def _check_val_length(tokens, cfg) -> None:
+    """Refuse a validation split shorter than one sample (block_size + 2 tokens), saying how to make one."""
+    import numpy as np
+
+    from zerodp.data.batches import Mixture, PreparedTokens
+
+    block = cfg.model.block_size
+    if isinstance(tokens, Mixture):
+        splits = [(p.data.val, p.data.folder / "val.bin") for p in tokens.parts]
+    elif isinstance(tokens, PreparedTokens):
+        splits = [(tokens.val, tokens.folder / "val.bin")]
+    else:
+        n_val = int(len(tokens) * cfg.data.val_fraction)
+        splits = [(np.zeros(n_val), f"the last {cfg.data.val_fraction:g} of {cfg.data.source}")]
+    for split, where in splits:
+        if len(split) <= block + 1:
+            raise UserError(f"the validation split ({where}) has {len(split)} tokens, fewer than one sample of "
+                            f"model.block_size+2={block + 2}; prepare with a larger --val-fraction")
+
+
+def _result(total: float, targets: int, samples: int, block: int, where, kind: str) -> dict:
+    if targets == 0:
+        raise UserError(f"the validation split ({where}) holds no target tokens in the {samples:,} samples evaluated "
+                        f"(its loss mask is all 0 there); evaluate more of it (--all) or prepare with --train-on all")
+    loss = total / targets
+    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": samples * block, "targets": targets,
+            "samples": samples, "set": kind, "source": str(where)}
+
+
+def _eval_validation_set(model, data, cfg, args, device) -> list[dict]:
+    """Each source's loss over the run's validation set: what training's validation computes
+    (zerodp.trainer.validate), with the same code, on one process."""
+    import functools
+
+    import torch
+
+    from zerodp.trainer.validate import validation_sums
+
+    with torch.no_grad():
+        sums = validation_sums(lambda batch: model(*(t.to(device) for t in batch)), data, cfg,
+                               autocast=functools.partial(_autocast, device, args.precision))
+    samples = cfg.train.eval_batches * cfg.train.micro_batch_size
+    return [_result(s, int(n), samples, data.block, stream.where, "validation")
+            for (s, n), stream in zip(sums.tolist(), data.streams)]
+
+
+def _eval_split(model, data, args, device) -> dict:
+    """The loss over the target tokens of every sample of one source's val split once (its first
+    --max-tokens): fixed windows, or one document a sample with data.packing=false, with the data's loss
+    mask and document masking; the sum of their losses over their number."""
     import torch
     from tqdm import tqdm
 
-    from zerodp.trainer.validate import target_sums, windows_batch
+    from zerodp.trainer.validate import split_offsets, target_sums
 
-    if args.max_tokens is not None:
-        split = split[: max(0, args.max_tokens) + 1]
-    T = model.arch.block_size
-    windows = (len(split) - 1) // T
-    if windows < 1:
-        raise UserError(f"the validation split ({where}) has {len(split)} tokens, fewer than one window of "
-                        f"model.block_size+1={T + 1}; prepare with a larger --val-fraction")
+    offsets = split_offsets(data, args.max_tokens)
+    where = data.streams[0].where
+    if len(offsets) < 1:
+        raise UserError(f"the validation split ({where}) holds no sample in its first {args.max_tokens:,} tokens "
+                        f"(a sample is model.block_size+1={data.block + 1}); evaluate more of it (--max-tokens)")
     total, targets = 0.0, 0
-    bar = tqdm(total=windows, desc="eval", unit="window", file=sys.stderr,
+    bar = tqdm(total=len(offsets), desc="eval", unit="sample", file=sys.stderr,
                disable=args.no_progress or not sys.stderr.isatty())
     with torch.no_grad(), _autocast(device, args.precision):
-        for first in range(0, windows, args.batch_size):
-            rows = range(first, min(windows, first + args.batch_size))
-            x, y = windows_batch(split, mask, rows, T)
-            s, n = target_sums(model(x.to(device), y.to(device)), y)  # the model: the mean over the targets
+        for first in range(0, len(offsets), args.batch_size):
+            batch = data.rows(offsets[first : first + args.batch_size])
+            s, n = target_sums(model(*(t.to(device) for t in batch)), batch[1])  # the model: the mean over targets
             total, targets = total + float(s), targets + n
-            bar.update(len(rows))
+            bar.update(len(batch[0]))
     bar.close()
-    if targets == 0:
-        raise UserError(f"the validation split ({where}) holds no target tokens in its first {windows * T:,} tokens "
-                        f"(its loss mask is all 0); evaluate more of it (--max-tokens) or prepare with --train-on all")
-    loss = total / targets
-    return {"val_loss": loss, "perplexity": math.exp(min(loss, 700)), "tokens": windows * T, "targets": targets,
-            "windows": windows, "source": str(where)}
+    return _result(total, targets, len(offsets), data.block, where, "split")

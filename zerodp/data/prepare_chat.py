@@ -102,6 +102,7 @@ def prepare_chat(opts, not_replaceable) -> dict:
         finally:
             for f in files.values():
                 f.close()
+        moved = _keep_one_val(tmp, counts, tok.dtype, opts.val_fraction)
         if counts["train"]["documents"] == 0:
             why = ", ".join(f"{n:,} {k.replace('_', ' ')}" for k, n in skipped.items() if n)
             raise UserError(f"no conversation reached train.bin ({rows:,} rows{'; ' + why if why else ''}); check "
@@ -123,7 +124,7 @@ def prepare_chat(opts, not_replaceable) -> dict:
                      **dict(zip(("end_of_turn", "end_of_turn_id"), end_of_turn(tpl, tok.tokenizer))),
                      "train_on": opts.train_on,
                      "max_len": opts.max_len, "too_long": opts.too_long, "rows": rows, "skipped": skipped,
-                     "truncated": truncated,
+                     "truncated": truncated, "val_from_train": moved,
                      "fields": dict(zip(("messages", "prompt", "response"), fields))},
             "documents": counts["train"]["documents"] + counts["val"]["documents"], "split_by_tokens": 0,
             "tokens": sum(counts[s]["tokens"] for s in SPLITS),
@@ -139,6 +140,29 @@ def _sha(text: str) -> str:
     import hashlib
 
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _keep_one_val(tmp: Path, counts: dict, dtype, val_fraction: float) -> int:
+    """Where --val-fraction > 0 put no conversation in val and train holds two or more, move train's last
+    conversation (its tokens, mask and index entry) to val: a small set still gets a validation split.
+    Returns the conversations moved (0 or 1); the summary says so."""
+    last = counts["train"].pop("last", None)
+    counts["val"].pop("last", None)
+    if counts["val"]["documents"] or val_fraction <= 0 or counts["train"]["documents"] < 2 or last is None:
+        return 0
+    start, n, targets = last
+    cuts = {"bin": start * np.dtype(dtype).itemsize, "mask": start, "idx": (counts["train"]["documents"] - 1) * 8}
+    for kind, cut in cuts.items():
+        with open(tmp / f"train.{kind}", "r+b") as f:
+            f.seek(cut)
+            tail = f.read()
+            f.truncate(cut)
+        # val is empty: the conversation is all of it, starting at token 0
+        (tmp / f"val.{kind}").write_bytes(np.zeros(1, np.int64).tobytes() if kind == "idx" else tail)
+    counts["train"].update(documents=counts["train"]["documents"] - 1, tokens=counts["train"]["tokens"] - n,
+                           targets=counts["train"]["targets"] - targets)
+    counts["val"].update(documents=1, tokens=n, targets=targets)
+    return 1
 
 
 def _flush(tok, pending, opts, files, counts, skipped, val_mask) -> int:
@@ -159,6 +183,7 @@ def _flush(tok, pending, opts, files, counts, skipped, val_mask) -> int:
             continue
         split = "val" if val_mask(opts.seed, number, 1, opts.val_fraction)[0] else "train"
         c = counts[split]
+        c["last"] = (c["tokens"], len(ids), sum(mask))  # (start, tokens, targets): _keep_one_val may move it
         np.array([c["tokens"]], dtype=np.int64).tofile(files[split, "idx"])
         np.array(ids, dtype=tok.dtype).tofile(files[split, "bin"])
         np.array(mask, dtype=np.uint8).tofile(files[split, "mask"])

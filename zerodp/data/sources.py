@@ -79,6 +79,14 @@ def _source(f: Path, given: bool) -> Source | None:
     return None if kind is None else Source(f, kind, compression, f.stat().st_size, given)
 
 
+CHAT_HINT = "these rows are conversations: prepare them with --chat (and --tokenizer a model with a chat template)"
+
+
+def _chat_shaped(fields) -> bool:
+    """Whether a row's fields (or a table's columns) are those of a conversation `prepare --chat` reads."""
+    return "messages" in fields or {"prompt", "response"} <= set(fields)
+
+
 def _check_parquet(path: Path, column: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -88,8 +96,8 @@ def _check_parquet(path: Path, column: str) -> None:
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"{path} is not a Parquet file pyarrow can read ({str(e).splitlines()[0]})") from None
     if column not in schema.names:
-        raise UserError(f"{path} has no column {column!r} (its columns: {', '.join(schema.names)}); name the text "
-                        f"column with --field")
+        fix = CHAT_HINT if _chat_shaped(schema.names) else "name the text column with --field"
+        raise UserError(f"{path} has no column {column!r} (its columns: {', '.join(schema.names)}); {fix}")
     t = schema.field(column).type
     if not (pa.types.is_string(t) or pa.types.is_large_string(t)
             or getattr(pa.types, "is_string_view", lambda _: False)(t)):
@@ -153,7 +161,9 @@ def _jsonl_documents(src: Source, column: str, stream, raw) -> Iterator[tuple[st
                             f"{column!r} string") from None
         if not isinstance(obj, dict) or column not in obj:
             has = f"its fields: {', '.join(obj)}" if isinstance(obj, dict) else f"it is a {type(obj).__name__}"
-            raise UserError(f"{src.path}, line {n}: no field {column!r} ({has}); name the text field with --field")
+            raise UserError(f"{src.path}, line {n}: no field {column!r} ({has}); "
+                            + (CHAT_HINT if isinstance(obj, dict) and _chat_shaped(obj) else
+                               "name the text field with --field"))
         text = obj[column]
         if not isinstance(text, str):
             raise UserError(f"{src.path}, line {n}: field {column!r} is {json.dumps(text)[:40]}, not a string; "

@@ -47,7 +47,7 @@ def read_steps(run_dir: Path) -> dict[int, dict]:
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            out[r["step"]] = {"loss": r["loss"], "grad_norm": r["grad_norm"]}
+            out[r["step"]] = {"loss": r["loss"], "grad_norm": r["grad_norm"], "target_tokens": r.get("target_tokens")}
     return out
 
 
@@ -78,6 +78,14 @@ class Verdict:
     weights: dict[str, float] = field(default_factory=dict)
     missing: list[int] = field(default_factory=list)
     """Steps one run recorded and the other did not."""
+    targets: int | None = None
+    """The target tokens of the compared steps (metrics.jsonl's target_tokens; None: every token is one)."""
+
+    @property
+    def compared(self) -> bool:
+        """Whether anything was compared: some step, and a target in the steps (with none every loss and
+        gradient is 0 in both runs, which agree whatever the strategy did)."""
+        return bool(self.steps) and self.targets != 0
 
     @property
     def first_step(self) -> int | None:
@@ -92,7 +100,7 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        return not self.missing and self.first_step is None and not self.differing
+        return self.compared and not self.missing and self.first_step is None and not self.differing
 
     def report(self, label_a: str, label_b: str) -> str:
         t = self.tolerance
@@ -106,6 +114,10 @@ class Verdict:
             lines.append(f"PASS: {len(self.steps)} steps and {len(self.weights)} tensors within the tolerance")
             return "\n".join(lines)
         why = []
+        if not self.compared:
+            why.append(f"nothing was compared: the {len(self.steps)} steps held no target token (every loss and "
+                       f"gradient 0); give data whose samples hold targets (see what start-up says about them)"
+                       if self.steps else "nothing was compared: no step was recorded by both runs")
         if self.missing:
             why.append(f"steps {self.missing} are recorded by one run only")
         if (s := self.first_step) is not None:
@@ -124,5 +136,7 @@ def compare_runs(dir_a: Path, dir_b: Path, shapes: dict[str, tuple], tolerance: 
     v = Verdict(tolerance, missing=sorted(set(a) ^ set(b)))
     v.steps = [(s, relative(a[s]["loss"], b[s]["loss"]), relative(a[s]["grad_norm"], b[s]["grad_norm"]))
                for s in sorted(set(a) & set(b))]
+    counts = [a[s]["target_tokens"] for s in sorted(set(a) & set(b))]
+    v.targets = None if any(c is None for c in counts) else int(sum(counts))
     v.weights = weight_differences(dir_a, dir_b, shapes)
     return v

@@ -161,6 +161,8 @@ def open_run_folder(env: DistEnv, ready: Ready) -> None:
             log(env, line)
     if ready.train_data.note:
         log(env, ready.train_data.note)
+    for note in ready.notes:  # what data.packing=false never trains, a context past the model's
+        log(env, note)
     if env.rank == 0:
         out_dir, start = Path(cfg.train.out_dir), ready.start
         if start.set_aside:

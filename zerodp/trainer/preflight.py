@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,7 @@ import torch
 
 from zerodp.config import Config
 from zerodp.data.batches import TokenBatches, describe_prepared, load_tokens
+from zerodp.data.coverage import unpacked_note
 from zerodp.errors import UserError
 from zerodp.strategies.catalog import CATALOG
 from zerodp.telemetry import loggers
@@ -55,6 +56,9 @@ class Ready:
     """For a `zerodp prepare` folder, the line that describes it."""
     searched: bool
     """train.micro_batch_size was auto (the planner chose the micro batch)."""
+    notes: list[str] = field(default_factory=list)
+    """Lines start-up says about the run's inputs (what data.packing=false never trains, a context past the
+    model's), after the data's own line."""
 
 
 def preflight(cfg: Config, fresh: bool, checks: Alone | Together, on_plan=None, from_checkpoint: str | None = None,
@@ -68,14 +72,19 @@ def preflight(cfg: Config, fresh: bool, checks: Alone | Together, on_plan=None, 
     if on_plan is not None and plan is not None:
         on_plan(plan)
     grad_accum = checks.every(lambda: check_settings(cfg, env.world_size))
-    checks.every(lambda: check_out_dir(Path(cfg.train.out_dir), write=checks.writes))  # each its own file system
+    # each rank its own file system; created (and probed) only once every check passed: a refused launch
+    # leaves no empty run folder behind
+    checks.every(lambda: check_out_dir(Path(cfg.train.out_dir), write=False))
     checks.first(lambda: loggers.check(cfg.train), share=False)  # rank 0 logs
     # A checkpoint of another model is refused before anything is written.
     start = checks.every(lambda: plan_start(cfg, fresh, set_aside_damaged=checks.writes, rank=checks.rank,
                                             from_checkpoint=from_checkpoint, allow_data_change=allow_data_change),
                          share=True)
     tokens, train_data, val_data, prepared_line = checks.every(lambda: inputs(cfg))
-    return Ready(cfg, plan, grad_accum, start, tokens, train_data, val_data, prepared_line, searched)
+    notes = checks.every(lambda: start_notes(cfg, train_data))
+    if checks.writes:
+        checks.every(lambda: check_out_dir(Path(cfg.train.out_dir), write=True))
+    return Ready(cfg, plan, grad_accum, start, tokens, train_data, val_data, prepared_line, searched, notes)
 
 
 def check_settings(cfg: Config, world_size: int) -> int:
@@ -92,6 +101,23 @@ def inputs(cfg: Config):
     """The token stream, both splits' batches and the prepared folder's line (or None)."""
     tokens = load_tokens(cfg)
     return tokens, TokenBatches(tokens, cfg, "train"), TokenBatches(tokens, cfg, "val"), describe_prepared(cfg, tokens)
+
+
+def start_notes(cfg: Config, train_data: TokenBatches) -> list[str]:
+    """What start-up says besides the data's line: the targets data.packing=false never trains
+    (zerodp.data.coverage, which refuses a run with none), and a model.block_size past the positions the
+    model.hf_config model was trained for (RoPE extrapolates there)."""
+    notes = [unpacked_note(train_data)]
+    if cfg.model.hf_config:
+        from zerodp.models.hf import read_hf_config
+
+        raw, path = read_hf_config(cfg.model.hf_config)
+        longest = raw.get("max_position_embeddings", raw.get("n_positions"))
+        if isinstance(longest, int) and cfg.model.block_size > longest:
+            notes.append(f"warning: model.block_size={cfg.model.block_size} is past the {longest:,} positions of "
+                         f"{path} (max_position_embeddings): the model never saw positions past {longest:,}; "
+                         f"set model.block_size={longest} or fewer unless you mean to extend its context")
+    return [n for n in notes if n]
 
 
 def check_out_dir(out_dir: Path, write: bool = True) -> None:

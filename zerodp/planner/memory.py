@@ -146,7 +146,7 @@ class MemoryEstimate:
     hbm_bytes: int
     usable_bytes: int
     headroom_bytes: int
-    """hbm_bytes - total_bytes; negative when it does not fit at all."""
+    """usable_bytes - total_bytes: negative exactly when training does not fit (the MARGIN kept free)."""
     offloaded_bytes: int
     """States this GPU's rank keeps in CPU memory."""
     cpu_bytes_per_node: int
@@ -385,7 +385,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         params_bytes=params_b, grads_bytes=grads_b, optimizer_bytes=optim_b, model_states_bytes=states,
         engine_master_bytes=master_b, unsharded_grads_bytes=unsharded, secondary_bytes=secondary,
         gathered_bytes=gathered, bucket_bytes=buckets, activations_bytes=acts, overhead_bytes=overhead,
-        total_bytes=total, hbm_bytes=c.gpu.hbm_bytes, usable_bytes=usable, headroom_bytes=c.gpu.hbm_bytes - total,
+        total_bytes=total, hbm_bytes=c.gpu.hbm_bytes, usable_bytes=usable, headroom_bytes=usable - total,
         offloaded_bytes=offloaded, cpu_bytes_per_node=cpu_node, cpu_fits=cpu_fits,
         startup_bytes=startup, startup_host_bytes_per_node=startup_node, startup_host_fits=startup_host_fits,
         fits=total <= usable and startup <= usable and cpu_fits is not False and startup_host_fits is not False,

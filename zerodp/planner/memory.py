@@ -15,6 +15,7 @@ from typing import Optional
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.models import ModelSpec
+from zerodp.planner.persistence import persistent_param_bytes
 from zerodp.planner.traffic import collective_seconds, collectives, inter_node_sent
 from zerodp.planner.units import COMPUTE_BYTES
 from zerodp.strategies.catalog import STATES, StrategySpec, spec
@@ -332,6 +333,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     if layout.offload_params and "params" in s.shards and not s.offload_together:
         offloaded += params_b if w.precision != "fp32" else 0  # in fp32 the master copy is the param
         params_b = 0
+    params_b += persistent_param_bytes(model, layout)  # ZeRO-3's small parameters, kept whole
     if s.layout == "deepspeed" and w.precision == "bf16" and w.grad_reduce_dtype == "fp32":  # fp32 accumulation:
         # zero1 a full fp32 buffer beside the bf16 gradients (BF16_Optimizer; with offload `grad_accum`),
         # zero2/3 their gradient partition in fp32 instead of bf16

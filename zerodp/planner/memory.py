@@ -138,6 +138,9 @@ class MemoryEstimate:
     secondary_bytes: int
     """zero3+zero++: hpZ's secondary partition, this rank's 1/(GPUs per node) of the 16-bit parameters
     kept after the forward all-gather so that backward gathers within the node; 0 otherwise."""
+    persistent_bytes: int
+    """zero3: the parameters of at most stage3_param_persistence_threshold elements, kept whole on every rank
+    beside their partitions (zerodp/planner/persistence.py); 0 otherwise."""
     gathered_bytes: int
     """ZeRO-3/FSDP: full parameters (and gradients) of the units being computed."""
     bucket_bytes: int
@@ -333,7 +336,6 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     if layout.offload_params and "params" in s.shards and not s.offload_together:
         offloaded += params_b if w.precision != "fp32" else 0  # in fp32 the master copy is the param
         params_b = 0
-    params_b += persistent_param_bytes(model, layout)  # ZeRO-3's small parameters, kept whole
     if s.layout == "deepspeed" and w.precision == "bf16" and w.grad_reduce_dtype == "fp32":  # fp32 accumulation:
         # zero1 a full fp32 buffer beside the bf16 gradients (BF16_Optimizer; with offload `grad_accum`),
         # zero2/3 their gradient partition in fp32 instead of bf16
@@ -350,7 +352,8 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
                            w.bucket_mb, model.largest_param) if s.bucket_copies and n > 1 else 0
     acts = activation_bytes(model, w, ac, c.gpu.cuda)
     overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
-    total = states + master_b + secondary + unsharded + gathered + buckets + acts + overhead
+    persistent = persistent_param_bytes(model, layout)
+    total = states + master_b + secondary + persistent + unsharded + gathered + buckets + acts + overhead
     usable = int(c.gpu.hbm_bytes * (1 - MARGIN))
     cpu_node = offloaded * c.gpus_per_node
     cpu_fits = None if not offloaded or c.cpu_ram_bytes is None else cpu_node <= c.cpu_ram_bytes
@@ -386,6 +389,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         offload_params=layout.offload_params, activation_checkpointing=ac,
         params_bytes=params_b, grads_bytes=grads_b, optimizer_bytes=optim_b, model_states_bytes=states,
         engine_master_bytes=master_b, unsharded_grads_bytes=unsharded, secondary_bytes=secondary,
+        persistent_bytes=persistent,
         gathered_bytes=gathered, bucket_bytes=buckets, activations_bytes=acts, overhead_bytes=overhead,
         total_bytes=total, hbm_bytes=c.gpu.hbm_bytes, usable_bytes=usable, headroom_bytes=usable - total,
         offloaded_bytes=offloaded, cpu_bytes_per_node=cpu_node, cpu_fits=cpu_fits,

@@ -224,7 +224,7 @@ def test_hf_export_holds_the_tokenizer(prepared, trained, exported):
     r = cli("convert", out, dst, "--to", "hf", "--no-progress", "--overwrite")  # still recognised as ours
     assert r.returncode == 0, r.stderr
     # --to safetensors keeps the tokenizer record: a later --to hf of that file still carries the tokenizer
-    st = root / "weights.safetensors"
+    st = root / "weights"  # a folder: convert refuses a DST named like a file
     assert cli("convert", out, st, "--to", "safetensors", "--no-progress").returncode == 0
     r = cli("convert", st, root / "hf2", "--to", "hf", "--no-progress")
     assert r.returncode == 0, r.stderr

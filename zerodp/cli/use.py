@@ -56,7 +56,9 @@ def add_parsers(subparsers) -> None:
                    help="softmax temperature (default 0.8); 0 takes the most likely token every time")
     g.add_argument("--top-k", type=int, default=50, metavar="K",
                    help="sample among the K likeliest (default 50; 0: all)")
-    g.add_argument("--seed", type=int, default=None, metavar="S", help="sampling seed (default: the run's train.seed)")
+    g.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="sampling seed (default: the run's train.seed, which its exports record too, so a run and its "
+                        "export print the same text; 0 for a model zerodp did not train)")
     _common(g)
     g.set_defaults(func=run_generate)
 
@@ -103,6 +105,7 @@ class Text:
 
     tokenizer: object | None = None  # a tokenizers.Tokenizer
     byte_level: bool = False
+    vocab_size: int = 0  # the model's, named when nothing encodes text for it
     eot_id: int | None = None  # the document separator the run trained with, if known
     special_tokens: bool = True  # whether prepare let the post-processor add its special tokens
     note: str | None = None  # why a recorded tokenizer was not used
@@ -112,9 +115,9 @@ class Text:
             return self.tokenizer.encode(text, add_special_tokens=self.special_tokens).ids
         if self.byte_level:
             return list(text.encode("utf-8"))
-        raise UserError("this checkpoint records no tokenizer, so --prompt cannot be encoded"
-                        + (f" ({self.note})" if self.note else "")
-                        + "; pass --tokenizer path/to/tokenizer.json")
+        raise UserError(f"this checkpoint has a vocabulary of {self.vocab_size} tokens, not bytes, and no tokenizer "
+                        "(none recorded, none beside it" + (f"; {self.note}" if self.note else "") + "), so --prompt "
+                        "cannot be encoded; pass --tokenizer path/to/tokenizer.json")
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is not None:
@@ -143,6 +146,7 @@ def text_of(source, run_cfg: dict, tokenizer: str | None) -> Text:
     bytes when the run read text byte by byte; else ids."""
     from zerodp.config.sources import primary_source
     from zerodp.data.batches import prepared_meta
+    from zerodp.models.hf import origin_of
     from zerodp.trainer.sample import tokenizer_of
 
     rec = source.meta.get("tokenizer") or {}
@@ -150,7 +154,7 @@ def text_of(source, run_cfg: dict, tokenizer: str | None) -> Text:
     prepared = prepared_meta(data) if data else None
     eot = rec.get("eot_id", (prepared or {}).get("eot_id"))
     if eot is None:
-        eot = (source.meta.get("hf_config") or {}).get("eos_token_id")
+        eot = origin_of(source.meta).get("eos_token_id")
     special = bool(rec.get("special_tokens", (prepared or {}).get("special_tokens", True)))
     text = Text(eot_id=eot, special_tokens=special)
     if tokenizer is not None:
@@ -161,15 +165,18 @@ def text_of(source, run_cfg: dict, tokenizer: str | None) -> Text:
         if text.tokenizer is not None:
             return text
     path = Path(source.path)
-    for folder in (path, path.parent):
+    for folder in (path, path.parent):  # an export's, or a checkpoint converted from one (zerodp convert)
         if (folder / "tokenizer.json").is_file():
-            text.tokenizer = _load_tokenizer(folder / "tokenizer.json")
+            text.tokenizer, text.note = _load_tokenizer(folder / "tokenizer.json"), None
             return text
     if prepared is not None and not rec.get("path"):
         text.tokenizer, text.note = tokenizer_of(prepared)
         return text
-    vocab = int(((run_cfg.get("model") or {}).get("vocab_size")) or 0)
-    text.byte_level = bool(run_cfg) and prepared is None and not str(data).endswith(".bin") and vocab >= 256
+    text.vocab_size = int(((run_cfg.get("model") or {}).get("vocab_size")) or 0)
+    if run_cfg.get("data"):  # a run's own config: text it read byte by byte (builtin, a text file or folder)
+        text.byte_level = prepared is None and not str(data).endswith(".bin") and text.vocab_size >= 256
+    else:  # an export or a Hugging Face folder: bytes only for a byte-level vocabulary, never a guess
+        text.byte_level = text.vocab_size == 256
     return text
 
 

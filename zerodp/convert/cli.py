@@ -64,6 +64,11 @@ def run_convert(args) -> int:
                         "always fp32")
     if args.config and args.to != "hf":
         raise UserError("--config applies to --to hf (the model a source without one holds); remove it")
+    dst = Path(args.dst)
+    if dst.suffix == ".safetensors" and not dst.is_dir():  # (an earlier output of that name stays replaceable)
+        raise UserError(f"{args.dst} names a .safetensors file, but zerodp convert writes a folder (model.safetensors "
+                        f"or shards with their index, and the tokenizer, config.json for --to hf); give a folder, "
+                        f"e.g. {dst.with_suffix('')}")
     shard = parse_size(args.max_shard_size, "--max-shard-size") if args.max_shard_size else None
     window = parse_size(args.max_memory, "--max-memory")
     # Before SRC is opened (and hashed): DST must not overlap SRC as given (an out_dir, say, of which

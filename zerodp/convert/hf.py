@@ -64,7 +64,8 @@ class SafetensorsSource(CheckpointSource):
         if self.index:
             md.update({k: v for k, v in (self.index.get("metadata") or {}).items() if isinstance(v, str)})
         self.meta = {"metadata": md, "shards": len(self.shards)}
-        for key, field in (("zerodp.tied", "tied"), ("zerodp.source", "source"), ("zerodp.tokenizer", "tokenizer")):
+        for key, field in (("zerodp.tied", "tied"), ("zerodp.source", "source"), ("zerodp.tokenizer", "tokenizer"),
+                           ("zerodp.hf_origin", "hf_origin")):  # zerodp.models.hf.ORIGIN
             if key in md:
                 try:
                     self.meta[field] = json.loads(md[key])

@@ -1,8 +1,10 @@
-"""What a `zerodp convert --to hf` folder carries beside its weights so that transformers loads it as a
-chat model: the run's tokenizer.json, its tokenizer_config.json with the chat template the run's data was
-rendered with (`zerodp prepare --chat`; zerodp.data.chat.chat_record), and a generation_config.json whose
-eos_token_id is the template's end-of-turn token, so that `apply_chat_template(add_generation_prompt=True)`
-then `generate` stops at the end of the answer. No torch."""
+"""What a `zerodp convert` output carries beside its weights: the tokenizer files the source carries
+(`tokenizer_files`: a Hugging Face folder's, an export's, a converted checkpoint's) or the run's recorded
+tokenizer; and for --to hf, so that transformers loads it as a chat model, the run's tokenizer.json, its
+tokenizer_config.json with the chat template the run's data was rendered with (`zerodp prepare --chat`;
+zerodp.data.chat.chat_record), and a generation_config.json whose eos_token_id is the template's
+end-of-turn token, so that `apply_chat_template(add_generation_prompt=True)` then `generate` stops at the
+end of the answer. No torch."""
 
 from __future__ import annotations
 
@@ -70,4 +72,37 @@ def recorded_tokenizer(meta: dict) -> dict[str, bytes]:
     config = path.parent / TOKENIZER_FILES[1]
     if config.is_file():
         found[TOKENIZER_FILES[1]] = config.read_bytes()
+    return found
+
+
+def tokenizer_files(source) -> dict[str, bytes]:
+    """{file name: bytes} of the tokenizer an open checkpoint comes with: the files it carries in its own
+    folder (`carried_tokenizer`), else the one its metadata records (`recorded_tokenizer`). What every
+    conversion writes beside the weights, so that no conversion drops the tokenizer or chat template."""
+    return carried_tokenizer(source) or recorded_tokenizer(source.meta)
+
+
+def carried_tokenizer(source) -> dict[str, bytes]:
+    """The tokenizer files (TOKENIZER_FILES) in the checkpoint's own folder: a zerodp checkpoint's that its
+    manifest lists (checked with it), an export's whose sha256 its metadata records (one changed since is
+    said on stderr and left out), or those of a Hugging Face model folder (a config.json beside the weights)."""
+    path = Path(source.path)
+    if source.format == "zerodp":
+        listed = source.meta.get("files") or {}
+        return {n: (path / n).read_bytes() for n in TOKENIZER_FILES if n in listed and (path / n).is_file()}
+    if source.format != "safetensors":
+        return {}
+    folder = path.parent
+    recorded = json.loads((source.meta.get("metadata") or {}).get("zerodp.tokenizer_files") or "{}")
+    found = {}
+    for name in TOKENIZER_FILES:
+        f = folder / name
+        if not f.is_file() or not (name in recorded or (not recorded and "hf_config" in source.meta)):
+            continue
+        data = f.read_bytes()
+        if name in recorded and hashlib.sha256(data).hexdigest() != recorded[name]:
+            print(f"zerodp: {f} changed since it was exported (sha256 differs); the output has no {name}",
+                  file=sys.stderr)
+            continue
+        found[name] = data
     return found

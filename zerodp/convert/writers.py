@@ -31,7 +31,7 @@ from zerodp.convert.destination import (  # noqa: F401
 )
 
 # check_destination, convert_output_kind and parse_size stay part of this module's API
-from zerodp.convert.hf_tokenizer import recorded_tokenizer, with_chat_files
+from zerodp.convert.hf_tokenizer import tokenizer_files as given_tokenizer, with_chat_files
 from zerodp.convert.source import (
     MOMENTS,
     CheckpointSource,
@@ -42,6 +42,7 @@ from zerodp.convert.source import (
 )
 from zerodp.convert.stream import DEFAULT_WINDOW, read_ahead
 from zerodp.errors import CheckpointError, UserError
+from zerodp.models.hf import ORIGIN, origin_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -90,7 +91,18 @@ def _source_metadata(source: CheckpointSource, layout: str, tied: dict | None = 
         md["zerodp.config"] = json.dumps(cfg, sort_keys=True)
     if source.meta.get("tokenizer"):  # zerodp generate and a later --to hf find the run's tokenizer by it
         md["zerodp.tokenizer"] = json.dumps(source.meta["tokenizer"], sort_keys=True)
+    if origin_of(source.meta):  # a later --to hf keeps the Hugging Face model's context and rope by it
+        md["zerodp.hf_origin"] = json.dumps(origin_of(source.meta), sort_keys=True)
     return md
+
+
+def _with_tokenizer(metadata: dict[str, str], files: dict[str, bytes]) -> dict[str, str]:
+    """`metadata` with the sha256 of the tokenizer files written beside the weights: what lets --overwrite
+    recognise them as ours (convert_output_kind) and a later conversion carry them (carried_tokenizer)."""
+    if files:
+        metadata["zerodp.tokenizer_files"] = json.dumps(
+            {n: hashlib.sha256(d).hexdigest() for n, d in files.items()}, sort_keys=True)
+    return metadata
 
 
 def _shard(names: list[str], infos: dict[str, TensorInfo], max_shard_size: int | None) -> dict[str, list[str]]:
@@ -157,7 +169,8 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
         infos[n] = TensorInfo(i.shape, target if target is not None and i.dtype.is_floating_point else i.dtype)
     shards = _shard(names, infos, max_shard_size)
     check_destination(dst, "safetensors", overwrite, _read_paths(source))
-    metadata = _source_metadata(source, names_layout(source))
+    tokenizer_files = given_tokenizer(source)
+    metadata = _with_tokenizer(_source_metadata(source, names_layout(source)), tokenizer_files)
 
     source.will_read(("param",))
     # A tensor kept as stored is copied file to file in the kernel; the rest are read ahead (and cast)
@@ -176,6 +189,9 @@ def write_safetensors(source: CheckpointSource, dst: str | Path, dtype: str | No
             return direct[n] if n in direct else src.get(n)
 
         files = _write_shards(out, shards, infos, fetch, metadata, bar)
+        for name, data in tokenizer_files.items():
+            (out / name).write_bytes(data)
+            files.append(name)
     return [dst / name for name in files]
 
 
@@ -214,19 +230,22 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
         infos[hf_name] = TensorInfo(transposed(shape, transform), target or have if have.is_floating_point else have)
         hf_names.append(hf_name)
         back[hf_name] = (name, shape, transform)
-    longest = (source.meta.get("hf_config") or {}).get("max_position_embeddings") if a.family == "llama" else None
+    # A RoPE model keeps the context of the Hugging Face model it started from (not the length the run
+    # trained at, which the rope scaling knows nothing of); one trained from scratch has the run's.
+    origin = origin_of(source.meta).get("max_position_embeddings")
+    longest = max(origin, a.block_size) if isinstance(origin, int) and not a.spec.LEARNED_POSITIONS else None
     dtype_name = str(infos[to_hf(a.family, a.embedding)[0]].dtype).replace("torch.", "")
     config = hf_config_from_model(model, dtype=dtype_name, max_positions=longest)
     shards = _shard(hf_names, infos, max_shard_size)
     check_destination(dst, "hf", overwrite, _read_paths(source))
     tied = {to_hf(a.family, alias)[0]: to_hf(a.family, stored)[0] for alias, stored in a.tied_weights().items()}
-    metadata = _source_metadata(source, "hf", tied, {"model": model})
-    tokenizer_files = recorded_tokenizer(source.meta)
+    seed = ((source.meta.get("config") or {}).get("train") or {}).get("seed")  # zerodp generate's default seed
+    metadata = _source_metadata(source, "hf", tied, {"model": model, **({"train": {"seed": seed}}
+                                                                        if seed is not None else {})})
+    tokenizer_files = given_tokenizer(source)
     config.update(_special_ids(source, bool(tokenizer_files)))
     tokenizer_files = with_chat_files(tokenizer_files, source.meta, config)  # template, generation_config.json
-    if tokenizer_files:  # what lets --overwrite recognise them as ours (convert_output_kind)
-        metadata["zerodp.tokenizer_files"] = json.dumps(
-            {n: hashlib.sha256(d).hexdigest() for n, d in tokenizer_files.items()}, sort_keys=True)
+    _with_tokenizer(metadata, tokenizer_files)
 
     hf_order = [h for shard in shards.values() for h in shard]
     stored_of = {h: state.stored_name(back[h][0]) for h in hf_order}
@@ -273,7 +292,7 @@ def _special_ids(source: CheckpointSource, with_tokenizer: bool) -> dict:
     """config.json's bos/eos token ids: a Hugging Face source's own, else for an export that carries the
     run's tokenizer its end-of-text id as eos (text generation then stops at a document's end), or for
     chat data the template's end-of-turn id."""
-    hf = source.meta.get("hf_config") or {}
+    hf = origin_of(source.meta)
     ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None}
     rec = source.meta.get("tokenizer") or {}
     eot = rec.get("eot_id", None)
@@ -352,6 +371,8 @@ def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | 
     for n in moments:
         s = source.step(state.stored[n][0])
         steps[n] = float(s if s is not None else (train_step or 0))
+    for name, data in given_tokenizer(source).items():  # in the manifest below: verified with the weights
+        (dst / name).write_bytes(data)
     (dst / "optim.json").write_text(json.dumps({"step": steps, "extra": {}}))
     trainer = dict(getattr(source, "trainer", {}) or {})
     trainer["step"] = int(train_step or 0)
@@ -364,6 +385,7 @@ def _write_zerodp_into(dst: Path, source: CheckpointSource, train_step: float | 
         "params": {n: {"shape": list(infos[n].shape), "dtype": "float32"} for n in names},
         "tied": state.tied(),
         "converted_from": source.describe(),
+        **{k: v for k, v in (("tokenizer", source.meta.get("tokenizer")), (ORIGIN, origin_of(source.meta))) if v},
         "torch_version": torch.__version__,
         "format_version": FORMAT_VERSION, "step": int(train_step or 0), "files": files,
     }

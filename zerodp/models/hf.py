@@ -168,3 +168,35 @@ def hf_config_from_model(model: dict, dtype: str = "float32", max_positions: int
     common = {"vocab_size": a.vocab_size, "tie_word_embeddings": a.tied, "torch_dtype": dtype,
               "bos_token_id": None, "eos_token_id": None, "use_cache": True}
     return a.spec.hf_config(a, common, float(model.get("dropout") or 0.0), max_positions)
+
+
+# ---- the model a run started from ------------------------------------------------------------------
+
+ORIGIN = "hf_origin"
+"""The key under which a checkpoint (meta.json) or an export (`zerodp.hf_origin` in its metadata) records
+the config.json of the Hugging Face model its weights started from."""
+
+
+def origin_config(hf_config: str | None, init_from: str | None) -> dict | None:
+    """The config.json (as a dict) of the Hugging Face model a run starts from: model.hf_config's, else
+    the one in (or beside) model.init_from when that is a Hugging Face folder or file; None for a model
+    trained from scratch. An export keeps that model's context and rope settings
+    (zerodp.convert.writers.write_hf), not the length the run trained at."""
+    for given in (hf_config, init_from):
+        if not given:
+            continue
+        p = Path(given)
+        for candidate in (p / "config.json", p.parent / "config.json") if p.suffix != ".json" else (p,):
+            try:
+                raw = json.loads(candidate.read_text(encoding="utf-8")) if candidate.is_file() else None
+            except (OSError, ValueError):
+                raw = None
+            if isinstance(raw, dict) and raw.get("model_type") in SUPPORTED:
+                return raw
+    return None
+
+
+def origin_of(meta: dict) -> dict:
+    """The Hugging Face config.json a checkpoint's weights came from: its own (an HF folder's, read by
+    zerodp.convert.hf) or the one it records (ORIGIN); {} for a model trained from scratch."""
+    return meta.get("hf_config") or meta.get(ORIGIN) or {}

@@ -2,8 +2,8 @@
 
 The choice is the fastest predicted step among the rows that fit with MARGIN of memory to spare; within
 TIE of the fastest the simpler row wins, in the order ddp (single on one GPU) < zero1 < zero2 < fsdp <
-zero3 < fsdp+hybrid < zero3+zero++ (the last two on several nodes only). Offload rows (a CPU optimizer
-step is seconds) are chosen only when nothing else fits. With a global batch the micro batch (a divisor
+zero3 < fsdp+hybrid < zero3+zero++ (the last two on several nodes only) < the offload rows, whose CPU
+optimizer step and PCIe copies are part of their predicted step. With a global batch the micro batch (a divisor
 of the global batch per rank) and activation checkpointing are searched for every row, each row showing
 its highest predicted tokens/s, accumulation following from the global batch as in `zerodp train`.
 zerodp/planner/rows.py makes the rows and picks; zerodp/planner/reasons.py says why.

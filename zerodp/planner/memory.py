@@ -15,6 +15,7 @@ from typing import Optional
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.models import ModelSpec
+from zerodp.planner.persistence import persistent_param_bytes
 from zerodp.planner.traffic import collective_seconds, collectives, inter_node_sent
 from zerodp.planner.units import COMPUTE_BYTES
 from zerodp.strategies.catalog import STATES, StrategySpec, spec
@@ -137,6 +138,9 @@ class MemoryEstimate:
     secondary_bytes: int
     """zero3+zero++: hpZ's secondary partition, this rank's 1/(GPUs per node) of the 16-bit parameters
     kept after the forward all-gather so that backward gathers within the node; 0 otherwise."""
+    persistent_bytes: int
+    """zero3: the parameters of at most stage3_param_persistence_threshold elements, kept whole on every rank
+    beside their partitions (zerodp/planner/persistence.py); 0 otherwise."""
     gathered_bytes: int
     """ZeRO-3/FSDP: full parameters (and gradients) of the units being computed."""
     bucket_bytes: int
@@ -146,7 +150,7 @@ class MemoryEstimate:
     hbm_bytes: int
     usable_bytes: int
     headroom_bytes: int
-    """hbm_bytes - total_bytes; negative when it does not fit at all."""
+    """usable_bytes - total_bytes: negative exactly when training does not fit (the MARGIN kept free)."""
     offloaded_bytes: int
     """States this GPU's rank keeps in CPU memory."""
     cpu_bytes_per_node: int
@@ -348,7 +352,8 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
                            w.bucket_mb, model.largest_param) if s.bucket_copies and n > 1 else 0
     acts = activation_bytes(model, w, ac, c.gpu.cuda)
     overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
-    total = states + master_b + secondary + unsharded + gathered + buckets + acts + overhead
+    persistent = persistent_param_bytes(model, layout)
+    total = states + master_b + secondary + persistent + unsharded + gathered + buckets + acts + overhead
     usable = int(c.gpu.hbm_bytes * (1 - MARGIN))
     cpu_node = offloaded * c.gpus_per_node
     cpu_fits = None if not offloaded or c.cpu_ram_bytes is None else cpu_node <= c.cpu_ram_bytes
@@ -384,8 +389,9 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         offload_params=layout.offload_params, activation_checkpointing=ac,
         params_bytes=params_b, grads_bytes=grads_b, optimizer_bytes=optim_b, model_states_bytes=states,
         engine_master_bytes=master_b, unsharded_grads_bytes=unsharded, secondary_bytes=secondary,
+        persistent_bytes=persistent,
         gathered_bytes=gathered, bucket_bytes=buckets, activations_bytes=acts, overhead_bytes=overhead,
-        total_bytes=total, hbm_bytes=c.gpu.hbm_bytes, usable_bytes=usable, headroom_bytes=c.gpu.hbm_bytes - total,
+        total_bytes=total, hbm_bytes=c.gpu.hbm_bytes, usable_bytes=usable, headroom_bytes=usable - total,
         offloaded_bytes=offloaded, cpu_bytes_per_node=cpu_node, cpu_fits=cpu_fits,
         startup_bytes=startup, startup_host_bytes_per_node=startup_node, startup_host_fits=startup_host_fits,
         fits=total <= usable and startup <= usable and cpu_fits is not False and startup_host_fits is not False,

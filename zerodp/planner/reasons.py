@@ -35,9 +35,9 @@ def reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
         ckpt = "on" if chosen.activation_checkpointing else "off"
         micro = (f", micro batch {chosen.micro_batch} x {chosen.grad_accum_steps} accumulation"
                  if plan.global_batch else "")
-        why = ("the only rows that fit offload, and this is the fastest of them" if offloads(chosen)
-               else "the fastest predicted step that fits" + (f" (simplest within {TIE:.0%})"
-                                                              if _ties(plan, chosen) else ""))
+        why = ("the fastest predicted step that fits" + (" (its CPU optimizer step and PCIe copies included)"
+                                                          if offloads(chosen) else "")
+               + (f" (simplest within {TIE:.0%})" if _ties(plan, chosen) else ""))
         out.append(f"Choice: {chosen.name} with activation checkpointing {ckpt}{micro}: {gb(chosen.total_bytes)} "
                    f"of {gb(chosen.hbm_bytes)} per {device}, predicted {seconds(chosen.step_s)} per step "
                    f"({_per_s(chosen, device)}) at {chosen.scaling_efficiency:.0%} scaling efficiency: {why}.")
@@ -66,7 +66,7 @@ def reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
 
 def _ties(plan: Plan, chosen: MemoryEstimate) -> bool:
     """Whether a row after the choice is predicted faster (within TIE)."""
-    return any(r.fits and not offloads(r) and r.tokens_per_s_per_gpu > chosen.tokens_per_s_per_gpu
+    return any(r.fits and r.tokens_per_s_per_gpu > chosen.tokens_per_s_per_gpu
                and (r.exact or not plan.exact_only) for r in plan.estimates)
 
 
@@ -141,6 +141,9 @@ def _slower_because(r: MemoryEstimate, chosen: MemoryEstimate, device: str) -> s
         causes.append(f"{seconds(r.exposed_comm_s)} of communication is not hidden behind compute "
                       f"(vs {seconds(chosen.exposed_comm_s)}; it sends {gb(r.comm_bytes)} per {device} per "
                       f"step{inter})")
+    if r.offload_s > chosen.offload_s:
+        causes.append(f"{seconds(r.offload_s)} of CPU optimizer step and PCIe copies for offloaded states "
+                      f"(vs {seconds(chosen.offload_s)})")
     return "; ".join(causes) or "its predicted step is longer"
 
 
@@ -172,9 +175,6 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], plan: Plan) ->
     if chosen is None:
         return f"{fits}."
     speed = f"predicted {seconds(r.step_s)} per step vs {seconds(chosen.step_s)} for {chosen.name}"
-    if offloads(r) and not offloads(chosen):
-        return (f"{fits}, but offloading (a CPU optimizer step, PCIe copies) is kept for when nothing else "
-                f"fits: {speed}.")
     ratio = chosen.tokens_per_s_per_gpu / r.tokens_per_s_per_gpu
     if ratio > 1 + TIE:
         how = f"{ratio - 1:.0%} slower" if ratio < 2 else f"{ratio:.1f}x as long"
@@ -187,8 +187,8 @@ def _why_not(r: MemoryEstimate, chosen: Optional[MemoryEstimate], plan: Plan) ->
 
 def _order(plan: Plan) -> str:
     """The rows a tie can go to, simplest first, as this plan has them: 'single < zero1 < ... < zero3' on one
-    GPU, 'ddp < ... < zero3+zero++' on several nodes (offload rows are not among them: see `pick`)."""
-    return " < ".join(r.name for r in plan.estimates if not offloads(r))
+    GPU, 'ddp < ... < zero3+zero++' on several nodes, the offload rows last (see `pick`)."""
+    return " < ".join(r.name for r in plan.estimates)
 
 
 def _sharded(workload: Workload) -> str:

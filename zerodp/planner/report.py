@@ -42,14 +42,16 @@ def _header(plan) -> list[str]:
 
 def _cells(e) -> list[str]:
     """One row. 'extra' is what an engine holds beyond the paper's model states (DeepSpeed's fp32 master
-    copy in fp32, FSDP's unsharded gradients while accumulating, hpZ's secondary partition); 'buffers'
+    copy in fp32, FSDP's unsharded gradients while accumulating, hpZ's secondary partition, ZeRO-3's
+    persistent parameters); 'buffers'
     gathered layers and buckets; 'startup' the peak from building the model to the first step (the host
     side is in the JSON); 'inter/node' what each node sends to the others per step."""
     g = lambda b: f"{b / 1e9:.1f}"  # noqa: E731
     return [
         e.name, str(e.micro_batch), str(e.grad_accum_steps), "on" if e.activation_checkpointing else "off",
         g(e.params_bytes), g(e.grads_bytes),
-        g(e.optimizer_bytes), g(e.engine_master_bytes + e.unsharded_grads_bytes + e.secondary_bytes),
+        g(e.optimizer_bytes), g(e.engine_master_bytes + e.unsharded_grads_bytes + e.secondary_bytes
+                                 + e.persistent_bytes),
         g(e.gathered_bytes + e.bucket_bytes), g(e.activations_bytes),
         g(e.overhead_bytes), g(e.total_bytes), g(e.startup_bytes), "yes" if e.fits else "NO", g(e.headroom_bytes),
         g(e.comm_bytes), g(e.inter_node_bytes) if e.inter_node_bytes else "-", seconds(e.step_s),

@@ -87,10 +87,10 @@ def best(fitting: list[MemoryEstimate]) -> MemoryEstimate:
 
 
 def pick(rows: list[MemoryEstimate], exact_only: bool = False) -> Optional[MemoryEstimate]:
-    """The fastest row that fits (offload rows only when nothing else does; with `exact_only` none that
-    changes the numerics), the simplest (first in `rows`) within TIE of it."""
-    fitting = [r for r in rows if r.fits and (r.exact or not exact_only)]
-    pool = [r for r in fitting if not offloads(r)] or fitting
+    """The fastest row that fits (with `exact_only` none that changes the numerics), the simplest (first in
+    `rows`: offload rows come last) within TIE of it. An offload row is chosen when its predicted step, CPU
+    optimizer step and PCIe copies included, is the fastest: the cost of offloading is in step_s."""
+    pool = [r for r in rows if r.fits and (r.exact or not exact_only)]
     if not pool:
         return None
     fastest = max(r.tokens_per_s_per_gpu for r in pool)

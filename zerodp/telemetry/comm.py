@@ -234,7 +234,7 @@ class PlanCheck:
         out = {}
         if comm is not None:
             out["comm_bus_bytes"] = {"predicted": e.comm_bytes, "measured": comm["comm_bus_bytes"]["total"]}
-        planned = {"params": e.params_bytes, "grads": e.grads_bytes + e.unsharded_grads_bytes,
+        planned = {"params": e.params_bytes + e.persistent_bytes, "grads": e.grads_bytes + e.unsharded_grads_bytes,
                    "optim": e.optimizer_bytes + e.engine_master_bytes}  # DeepSpeed's fp32 master is under optim
         out.update({k: {"predicted": v, "measured": held.get(k, 0)} for k, v in planned.items()})
         if device.type == "cuda":  # what the allocator saw: everything the planner counts but the CUDA context
@@ -266,4 +266,5 @@ class PlanCheck:
 
 def _planned_states(e) -> int:
     """Parameters, gradients and optimizer state (with DeepSpeed's fp32 master) the planner puts on a rank."""
-    return e.params_bytes + e.grads_bytes + e.optimizer_bytes + e.engine_master_bytes + e.unsharded_grads_bytes
+    return (e.params_bytes + e.persistent_bytes + e.grads_bytes + e.optimizer_bytes + e.engine_master_bytes
+            + e.unsharded_grads_bytes)

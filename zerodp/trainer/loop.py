@@ -23,6 +23,7 @@ from zerodp.data.chat import chat_record
 from zerodp.distributed import determinism
 from zerodp.distributed.process_group import DistEnv, init_distributed
 from zerodp.models import build_model, compile_blocks, param_count
+from zerodp.models.hf import ORIGIN, origin_config
 from zerodp.optim.schedules import lr_at
 from zerodp.resilience.preemption import Preemption
 from zerodp.resilience.replicas import ReplicaCheck
@@ -50,13 +51,16 @@ def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, mod
     """What conversion and resume need to know about a checkpoint, besides its files; for a `zerodp
     prepare` folder also the tokenizer its meta.json names ({path, sha256, eot_id, special_tokens}),
     which `zerodp convert --to hf` copies into the export and `zerodp generate` encodes and decodes with,
-    and for a `zerodp prepare --chat` folder its chat template and end-of-turn id (zerodp.data.chat.chat_record)."""
+    and for a `zerodp prepare --chat` folder its chat template and end-of-turn id (zerodp.data.chat.chat_record);
+    for a model started from a Hugging Face one, that model's config.json (zerodp.models.hf.origin_config)."""
     prepared = prepared_meta(primary_source(cfg.data))  # a mixture's sources share its tokenizer
     tokenizer = {**{k: (prepared.get("tokenizer") or {}).get(k) for k in ("path", "sha256")},
                  "eot_id": prepared.get("eot_id"), "special_tokens": prepared.get("special_tokens", True),
                  **({"chat": chat_record(prepared)} if chat_record(prepared) else {})} if prepared else None
+    origin = origin_config(cfg.model.hf_config, cfg.model.init_from)  # its context, rope: what an export keeps
     return {
         **({"tokenizer": tokenizer} if tokenizer and tokenizer["path"] else {}),
+        **({ORIGIN: origin} if origin else {}),
         "strategy": strategy_name,
         "world_size": env.world_size,
         "layout": layout,

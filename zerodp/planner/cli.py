@@ -10,6 +10,7 @@ import argparse
 import json
 
 from zerodp.errors import UserError
+from zerodp.models.chunking import checkpointing_mode
 from zerodp.planner.choose import choose
 from zerodp.planner.hardware import GPUS, INTERCONNECTS, MFU, Cluster, GpuSpec, gpu_preset
 from zerodp.planner.hf_config import SUPPORTED as HF_MODEL_TYPES
@@ -173,7 +174,7 @@ def build(args):
         if args.seq_len and args.seq_len > cfg.model.block_size:
             raise UserError(f"--seq-len {args.seq_len} exceeds model.block_size={cfg.model.block_size}; "
                             f"raise block_size in the config or pass a shorter --seq-len")
-        ckpt = True if cfg.model.activation_checkpointing else None
+        ckpt = True if checkpointing_mode(cfg.model.activation_checkpointing) != "off" else None
     else:
         base = Workload(1, min(model.context, 4096))
         ckpt = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from zerodp.errors import UserError
+from zerodp.models.chunking import checkpointing_mode
 from zerodp.planner.choose import Plan, choose
 from zerodp.planner.hardware import Cluster, gpu_from_device_name
 from zerodp.planner.memory import ZERO3_PERSISTENCE_THRESHOLD, Layout, MemoryEstimate, Workload, estimate
@@ -52,7 +53,7 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     batch does not split over `world_size` ranks.
     """
     cluster, note = _cluster(world_size, device_memory_bytes, device_name, gpus_per_node)
-    requested = True if cfg.model.activation_checkpointing else (None if allow_checkpointing else False)
+    requested = True if _recomputes(cfg) else (None if allow_checkpointing else False)
     search = cfg.train.micro_batch_size == "auto"
     workload = workload_from_config(cfg, world_size)
     layouts = None
@@ -64,7 +65,7 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     plan.async_save = cfg.checkpoint.async_save
     if note:
         plan.assumptions.append(note)
-    if plan.activation_checkpointing and not cfg.model.activation_checkpointing and plan.choice:
+    if plan.activation_checkpointing and not _recomputes(cfg) and plan.choice:
         plan.reasons.append("The config has model.activation_checkpointing=false; the plan turns it on "
                             "(set it to true to make this explicit).")
     return plan
@@ -88,7 +89,7 @@ def _layout(cfg, cluster: Cluster, workload: Workload, strategy: Optional[str] =
     hybrid = cluster.nodes > 1 and run.hybrid_shard and s.hybrid_shard
     zeropp = run.zeropp  # ZeRO++ as the config sets it (its hpZ group taken as one node)
     return Layout(name, cluster, workload, s.offload_optimizer, s.offload_params,
-                  cfg.model.activation_checkpointing, hybrid=hybrid, hpz=zeropp and s.hpz_partition_size != 1,
+                  _recomputes(cfg), hybrid=hybrid, hpz=zeropp and s.hpz_partition_size != 1,
                   qwz=zeropp and s.quantized_weights, qgz=zeropp and s.quantized_gradients)
 
 
@@ -106,3 +107,8 @@ def _cluster(world_size: int, device_memory_bytes: int, device_name: str,
     # CPU ranks share the node's RAM: pass it, so the start-up peak of all of them is checked against it
     node_ram = device_memory_bytes * per_node if not gpu.cuda else None
     return Cluster(gpu=gpu, gpus_per_node=per_node, nodes=world_size // per_node, cpu_ram_bytes=node_ram), note
+
+
+def _recomputes(cfg) -> bool:
+    """Whether the config's blocks recompute activations (model.activation_checkpointing not off)."""
+    return checkpointing_mode(cfg.model.activation_checkpointing) != "off"

@@ -43,7 +43,7 @@ def test_a_cpu_plan_that_does_not_fit_counts_cpu_ranks():
     cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 2
     plan = plan_for_training(cfg, 2, int(1.2 * GB), "cpu")
     assert plan.choice is None
-    assert plan.suggestion == "Smallest that fits: 4 CPU ranks with fsdp and activation checkpointing on."
+    assert plan.suggestion == "Smallest that fits: 4 CPU ranks with fsdp and activation checkpointing full."
     assert not re.search(r"\bgpus?\b", plan.table(), re.I), plan.table()
 
 

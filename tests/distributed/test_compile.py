@@ -14,13 +14,17 @@ from zerodp.strategies.catalog import CATALOG
 STRATEGIES = [name for name, s in CATALOG.items() if not s.single_process]
 MICRO, WORLD, STEPS = 2, 2, 3
 COMPILE_TOLERANCE = 1e-5
+VARIANTS = {"zero3": ["model.loss_chunks=3", "model.activation_checkpointing=selective"],
+            "fsdp": ["model.loss_chunks=3", "model.activation_checkpointing=selective"]}
+"""The sharded strategies' rows also run the chunked loss and selective checkpointing around the compiled
+blocks."""
 
 
 def test_compiled_blocks_follow_the_eager_single_process_trajectory(tiny, tmp_path):
     over = tiny + [f"train.global_batch_size={MICRO * WORLD}", f"train.micro_batch_size={MICRO}",
                    f"train.max_steps={STEPS}", "optim.lr=1e-3", "optim.min_lr=1e-4"]
     ref_losses, ref_weights = reference_run(load_config(None, over))
-    runs = [{"overrides": over + [f"strategy.name={name}", "train.compile=true",
+    runs = [{"overrides": over + [f"strategy.name={name}", "train.compile=true", *VARIANTS.get(name, []),
                                   f"train.out_dir={tmp_path / name}"]} for name in STRATEGIES]
     results = run_distributed("tests.support.workers:train_runs", WORLD, {"runs": runs}, timeout=900)[0]
     report, failures = [], []

@@ -5,7 +5,9 @@ ddp, zero1, zero2, zero3 and fsdp at world sizes 2 and 3, with gradient accumula
 each against a plain single-process torch.optim.AdamW on the same global batches: per-step losses and
 final parameters agree to 1e-5 after 8 steps. Each row runs twice: the tiny GPT-2 (tied head) and a
 small llama (tests.support.reference.LLAMA: RoPE, RMSNorm, SwiGLU, 4 query heads sharing 2 key/value heads,
-untied head). At world 2 each also runs with activation checkpointing, and the llama once more with
+untied head). At world 2 each also runs with activation checkpointing (gpt2 full, llama selective) and
+the chunked loss (model.loss_chunks=3: under ZeRO-3 and FSDP the head is gathered by the hooks around its
+module; gpt2's is tied), against the reference's whole logits, and the llama once more with
 strategy.name=auto: it runs what the planner chooses and follows the same trajectory. The llama rows
 with accumulation 2 train on a prepared folder (documents of 3 to 45 tokens, so a 32-token sample
 packs several) with data.document_masking on and a loss mask: every micro batch carries doc_ids,
@@ -54,6 +56,8 @@ TOLERANCE = 1e-5
 COMM_TOLERANCE = 0.05
 NOISE_TOLERANCE = 1e-4
 WARMUP = {"zero3": 2}  # steps before a strategy's traffic is the same every step
+ACTIVATION_CHECKPOINTING = {"gpt2": "full", "llama": "selective"}  # the world-2 rows' modes...
+LOSS_CHUNKS = 3  # ...and their head and loss in 3 chunks (zerodp.models.loss), against the whole logits
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -83,15 +87,17 @@ def test_every_strategy_matches_single_process_adamw(tiny, tmp_path, world):
                 runs.append({"overrides": over + [f"strategy.name={name}",
                                                   f"train.out_dir={tmp_path / f'{model}-{name}{accum}'}"]})
                 expected.append((f"{model} {name}", name, accum, ref))
-            if accum == 2 and world == 2:  # activation checkpointing under every strategy
+            if accum == 2 and world == 2:  # activation checkpointing and the chunked loss under every strategy
+                ac = ACTIVATION_CHECKPOINTING[model]
                 for name in STRATEGIES:
-                    runs.append({"overrides": over + [f"strategy.name={name}", "model.activation_checkpointing=true",
+                    runs.append({"overrides": over + [f"strategy.name={name}", f"model.activation_checkpointing={ac}",
+                                                      f"model.loss_chunks={LOSS_CHUNKS}",
                                                       f"train.out_dir={tmp_path / f'{model}-{name}-ac'}"]})
-                    expected.append((f"{model} {name}+ac", name, accum, ref))
+                    expected.append((f"{model} {name}+{ac}+chunks", name, accum, ref))
             if model == "llama" and accum == 1 and world == 2:  # the planner chooses (as rank 0 will)
                 cfg = load_config(None, over + ["strategy.name=auto"])
                 chosen, plan = resolve_strategy(cfg, world, torch.device("cpu"), local_world_size=world)
-                assert plan.choice in STRATEGIES and not chosen.model.activation_checkpointing, plan.table()
+                assert plan.choice in STRATEGIES and chosen.model.activation_checkpointing == "off", plan.table()
                 runs.append({"overrides": over + ["strategy.name=auto", f"train.out_dir={tmp_path / 'llama-auto'}"]})
                 expected.append((f"llama auto={plan.choice}", plan.choice, accum, ref))
     if world == 3:  # the first run (gpt2 ddp) again right after it, unmeasured: DDP reduces in C++, not in

@@ -95,14 +95,15 @@ def test_activation_checkpointing_under_the_mask_gives_the_same_gradients(family
     x, doc_ids, _ = packed(3)
     y = torch.roll(x, -1, dims=1)
     grads = []
-    for ckpt in (False, True):
+    for ckpt in (False, True, "selective"):
         model = model_for(family, activation_checkpointing=ckpt).train()
         loss = model(x, y, doc_ids)
         loss.backward()
         grads.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
-    assert grads[0][0] == grads[1][0]
-    for a, b in zip(grads[0][1], grads[1][1]):
-        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+    for other in grads[1:]:
+        assert grads[0][0] == other[0]
+        for a, b in zip(grads[0][1], other[1]):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

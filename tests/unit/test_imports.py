@@ -31,7 +31,7 @@ LAYERS = [
 TORCH_FREE = ["zerodp.config", "zerodp.config.sources", "zerodp.planner", "zerodp.planner.cli", "zerodp.models.arch",
               "zerodp.models.hf", "zerodp.checkpoint.manifest", "zerodp.checkpoint.safe_output", "zerodp.cli",
               "zerodp.data.prepare", "zerodp.data.prepare_chat", "zerodp.telemetry.grad_noise",
-              "zerodp.optim.schedules", "zerodp.strategies.catalog"]
+              "zerodp.optim.schedules", "zerodp.strategies.catalog", "zerodp.models.chunking"]
 
 
 def group_of(module: str) -> str:

@@ -35,16 +35,18 @@ def test_flops_per_token_six_per_parameter_plus_attention():
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
+    """off, full (true) and selective (the matmul and attention outputs kept, the rest recomputed)."""
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=16)
     x = torch.randint(0, 256, (3, 16))
     grads = []
-    for ac in (False, True):
+    for ac in (False, True, "selective"):
         cfg.activation_checkpointing = ac
         model = build_model(cfg, seed=0)
         model(x, x).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for n in grads[0]:
-        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=0, atol=1e-6)
+        for other in grads[1:]:
+            torch.testing.assert_close(grads[0][n], other[n], rtol=0, atol=1e-6)
 
 
 def test_init_is_deterministic_and_gpt2_style():
@@ -134,3 +136,48 @@ def test_the_loss_is_the_mean_over_targets_and_zero_without_any(arch):
     none.backward()
     assert none.item() == 0.0
     assert all(p.grad is None or (torch.isfinite(p.grad).all() and not p.grad.any()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_selective_checkpointing_recomputes_no_matmul_and_keeps_less_than_off(arch):
+    """selective runs no matmul or attention again in the backward (full runs the forward's again), and after
+    the forward it holds fewer bytes for the backward than off, more than full."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Watch(TorchDispatchMode):
+        """Counts matmul and attention calls; keeps a weak reference to every storage an op makes."""
+
+        def __init__(self):
+            super().__init__()
+            self.heavy, self.made = 0, {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__
+            self.heavy += name.startswith(("mm", "addmm", "bmm", "_scaled_dot_product")) and "backward" not in name
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    self.made[st.data_ptr()] = (weakref.ref(st), st.nbytes())
+            return out
+
+        def alive(self) -> int:
+            return sum(n for ref, n in self.made.values() if ref() is not None)
+
+    x = torch.randint(0, 256, (2, 16))
+    heavy, kept = {}, {}
+    for ac in ("off", "selective", "full"):
+        cfg = ModelConfig(arch=arch, n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=16,
+                          activation_checkpointing=ac, loss_chunks=0)
+        model = build_model(cfg, seed=0).train()
+        with Watch() as forward:
+            loss = model(x, x)
+        kept[ac] = forward.alive()
+        with Watch() as backward:
+            loss.backward()
+        heavy[ac] = backward.heavy
+    assert heavy["selective"] == heavy["off"] < heavy["full"], heavy
+    assert kept["full"] < kept["selective"] < kept["off"], kept

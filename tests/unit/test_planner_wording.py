@@ -43,7 +43,7 @@ def test_a_cpu_plan_that_does_not_fit_counts_cpu_ranks():
     cfg.train.micro_batch_size, cfg.train.global_batch_size = 1, 2
     plan = plan_for_training(cfg, 2, int(1.2 * GB), "cpu")
     assert plan.choice is None
-    assert plan.suggestion == "Smallest that fits: 4 CPU ranks with fsdp and activation checkpointing on."
+    assert plan.suggestion == "Smallest that fits: 4 CPU ranks with fsdp and activation checkpointing full."
     assert not re.search(r"\bgpus?\b", plan.table(), re.I), plan.table()
 
 
@@ -127,11 +127,13 @@ def test_the_choice_is_the_fastest_row_that_fits_offload_rows_included(capsys):
     chosen = next(e for e in rows if e["name"] == plan["choice"])
     fastest = min(e["step_s"] for e in fitting)
     assert chosen["fits"] and chosen["step_s"] <= fastest * 1.03, (chosen["name"], chosen["step_s"], fastest)
-    assert chosen["step_s"] < 300  # 224 s: zero3+offload_optimizer (fsdp's 434 s is the slower)
+    assert chosen["step_s"] < 300  # an offload row (fsdp's 434 s is the slower)
     for e in rows:  # the column says how much of the usable memory is left: negative exactly when it cannot train
         assert e["headroom_bytes"] == e["usable_bytes"] - e["total_bytes"]
         assert (e["headroom_bytes"] < 0) == (e["total_bytes"] > e["usable_bytes"]), e["name"]
     out = plan_output(capsys, *argv)
     assert "kept for when nothing else fits" not in out
-    assert re.search(r"^fsdp: fits .*, but slower: predicted 434 s per step vs 224 s for zero3\+offload_optimizer",
-                     out, re.M), out
+    fsdp = next(e for e in rows if e["name"] == "fsdp")
+    assert fsdp["fits"] and fsdp["step_s"] > 1.5 * chosen["step_s"]
+    assert re.search(rf"^fsdp: fits .*, but slower: predicted {fsdp['step_s']:.0f} s per step vs "
+                     rf"{chosen['step_s']:.0f} s for {re.escape(chosen['name'])}", out, re.M), out

@@ -289,7 +289,7 @@ def resume_point(out_dir: str | Path, set_aside_damaged: bool = True, only: str 
 
 
 # Model settings that do not change the weights or what they compute: free to differ on resume.
-FREE_MODEL_KEYS = ("dropout", "activation_checkpointing", "init_from", "hf_config")
+FREE_MODEL_KEYS = ("dropout", "activation_checkpointing", "loss_chunks", "init_from", "hf_config")
 
 
 @dataclass

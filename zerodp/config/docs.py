@@ -55,6 +55,8 @@ def field_docs() -> list[FieldDoc]:
 def _type_name(typ: Any) -> str:
     if typing.get_origin(typ) is typing.Union and set(typing.get_args(typ)) == {int, str}:
         return "int or auto"
+    if typing.get_origin(typ) is typing.Union and set(typing.get_args(typ)) == {bool, str}:
+        return "bool or str"
     if typing.get_origin(typ) is typing.Union:
         (inner,) = [a for a in typing.get_args(typ) if a is not type(None)]
         return f"{_type_name(inner)} or null"

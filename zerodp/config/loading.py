@@ -30,6 +30,10 @@ def _coerce(where: str, key: str, value: Any, typ: Any) -> Any:
             return _coerce(where, key, value, int)
         except ConfigError:
             raise ConfigError(f"{key} in {where} must be an integer or auto, got {value!r}") from None
+    if origin is typing.Union and set(typing.get_args(typ)) == {bool, str}:  # a switch, or a named mode
+        if isinstance(value, (bool, str)):
+            return value
+        raise ConfigError(f"{key} in {where} must be true, false or a mode's name, got {value!r}")
     if origin is typing.Union:  # Optional[X]
         if value is None:
             return None

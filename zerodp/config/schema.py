@@ -67,8 +67,16 @@ class ModelConfig:
     a model key given as well must agree with it."""
     dropout: float = 0.0
     """Dropout probability. 0 keeps runs at different world sizes bit-comparable."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward pass instead of storing them."""
+    activation_checkpointing: typing.Union[bool, str] = "off"
+    """off | selective | full (true: full, false: off): full recomputes each block's forward in the backward
+    pass (it keeps only the block's input; one more forward of compute), selective keeps the matmul and
+    attention outputs and recomputes the element-wise work between them (zerodp.models.recompute;
+    docs/memory_model.md)."""
+    loss_chunks: typing.Union[int, str] = "auto"
+    """The LM head and its loss over this many chunks of the micro batch's tokens, each chunk's logits
+    existing only while its loss and gradients are computed (zerodp.models.loss); 0: the whole logits at
+    once; auto: chunks of at most 2^26 logits, whole when they are fewer or the micro batch has at most
+    2 x n_embd tokens (zerodp.models.chunking). The same loss and gradients either way, to fp32 rounding."""
     document_attention: str = "auto"
     """The attention kernel under document masking (data.document_masking): flex (torch's flex attention
     with a block mask, nothing T x T; no dropout, no CPU backward), sdpa (SDPA with one (B, 1, T, T)

@@ -22,6 +22,7 @@ from zerodp.config.schema import (
 )
 from zerodp.config.sources import check_sources, check_unpacked
 from zerodp.errors import ConfigError
+from zerodp.models.chunking import CHECKPOINTING, checkpointing_mode
 
 
 def validate(cfg: Config) -> None:
@@ -67,6 +68,13 @@ def check_model(m: ModelConfig) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     _one_of("model.document_attention", m.document_attention, DOCUMENT_ATTENTION)
+    try:  # one spelling from here on: true and false are full and off
+        m.activation_checkpointing = checkpointing_mode(m.activation_checkpointing)
+    except ValueError:
+        _one_of("model.activation_checkpointing", m.activation_checkpointing, CHECKPOINTING)
+    if m.loss_chunks != "auto" and m.loss_chunks < 0:
+        raise ConfigError(f"model.loss_chunks={m.loss_chunks} must be 0 (the whole logits), a number of chunks "
+                          f"or auto")
     if m.document_attention == "flex" and m.dropout:
         raise ConfigError(f"model.document_attention=flex has no attention dropout (model.dropout={m.dropout}); "
                           f"set model.document_attention=sdpa or model.dropout=0")

@@ -1,8 +1,9 @@
-"""What every architecture's model shares: the forward pass over blocks (with activation
-checkpointing), the loss, generation (and its key/value cache, `KVCache`), the names of tied weights,
-and the initial weights. A family implements `embed(idx, start, positions)`, `run_block(block, x, kv,
-mask)`, `head`, `blocks` and names its `RESIDUAL_PROJECTIONS`; the loop and the strategies see only this.
-Document masking (`doc_ids`) is zerodp.models.docmask's.
+"""What every architecture's model shares: the forward pass over blocks (with activation checkpointing:
+zerodp.models.recompute), the loss (the head's: zerodp.models.loss), generation (and its key/value cache,
+`KVCache`), the names of tied weights, and the initial weights. A family implements `embed(idx, start,
+positions)`, `run_block(block, x, kv, mask)`, `head(x, targets=None)` (the final norm, then its
+`zerodp.models.loss.LMHead`), `blocks` and names its `RESIDUAL_PROJECTIONS`; the loop and the strategies
+see only this. Document masking (`doc_ids`) is zerodp.models.docmask's.
 
 Initial weights do not depend on the layout: parameter `name`'s initial values are a pure function of
 (train.seed, name), cut in blocks of INIT_BLOCK elements of the flattened parameter, each block drawn
@@ -20,10 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zerodp.models import docmask
-
-IGNORE_INDEX = -100
-"""A target that is not one (a loss mask's 0): F.cross_entropy's default ignore_index."""
+from zerodp.models import docmask, recompute
+from zerodp.models.loss import IGNORE_INDEX
 
 INIT_BLOCK = 1 << 20
 """Elements per independently seeded block of a parameter's initial values."""
@@ -150,23 +149,23 @@ class DecoderLM(nn.Module):
             x = self.embed(idx, 0, docmask.document_positions(doc_ids))
             kind = docmask.kernel(self.cfg.document_attention, x.device, self.cfg.dropout if self.training else 0.0)
             extra = (None, docmask.document_mask(doc_ids, kind, docmask.compute_dtype(x)))  # (kv, mask)
+        recomputed = recompute.checkpoint_options(self.cfg.activation_checkpointing) if self.training else None
         for i, block in enumerate(self.blocks()):
-            if self.cfg.activation_checkpointing and self.training:
-                x = checkpoint(self.run_block, block, x, *extra, use_reentrant=False)
+            if recomputed is not None:
+                x = checkpoint(self.run_block, block, x, *extra, use_reentrant=False, **recomputed)
             elif extra:
                 x = self.run_block(block, x, *extra)
             else:
                 x = self.run_block(block, x, cache.layers[i] if cache is not None else None)
         if cache is not None:
             cache.pos += idx.shape[1]
-        logits = self.head(x)  # (B, T, V)
         if targets is None:
-            return logits
+            return self.head(x)  # (B, T, V)
         # The mean over the target tokens: y is IGNORE_INDEX (-100) where a loss mask says the token is no
-        # target. Summed and divided by the count (at least 1, without a host sync) rather than
-        # F.cross_entropy's mean, which is NaN for a micro batch without targets: that one adds 0.
-        targets = targets.reshape(-1)
-        total = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets, reduction="sum")
+        # target. Summed (by the head: whole or in chunks, zerodp.models.loss) and divided by the count (at
+        # least 1, without a host sync) rather than F.cross_entropy's mean, which is NaN for a micro batch
+        # without targets: that one adds 0.
+        total = self.head(x, targets)
         return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from zerodp.errors import UserError
+from zerodp.planner.activations import Checkpointing
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.memory import Layout, MemoryEstimate, Workload
 from zerodp.planner.models import ModelSpec
@@ -33,13 +34,14 @@ class Plan:
     choice: Optional[str]
     offload_optimizer: bool
     offload_params: bool
-    activation_checkpointing: bool
+    activation_checkpointing: Checkpointing
+    """off, selective or full: a str, false when off (zerodp.planner.activations.Checkpointing)."""
     estimates: list[MemoryEstimate]
     reasons: list[str]
     model: ModelSpec
     cluster: Cluster
     workload: Workload
-    requested_checkpointing: Optional[bool] = None
+    requested_checkpointing: Optional[Checkpointing] = None
     suggestion: Optional[str] = None
     assumptions: list[str] = field(default_factory=list)
     hybrid: bool = False
@@ -103,11 +105,12 @@ def check_global_batch(global_batch: int, world_size: int, flag: str = "--global
 
 
 def choose(model: ModelSpec, cluster: Cluster, workload: Workload,
-           activation_checkpointing: Optional[bool] = None, *, global_batch: Optional[int] = None,
+           activation_checkpointing: Optional[bool | str] = None, *, global_batch: Optional[int] = None,
            exact_only: bool = False, layouts: Optional[list[Layout]] = None) -> Plan:
     """Estimate every strategy for `model` on `cluster` and pick one. `activation_checkpointing`
-    None lets the planner turn it on where that is what makes a strategy fit (or, with `global_batch`,
-    where it is faster: a larger micro batch). `global_batch` (sequences per optimizer step) searches
+    (off, selective, full; true and false are full and off) None lets the planner turn it on where that is
+    what makes a strategy fit, the least recomputing mode that does (or, with `global_batch`, where it is
+    faster: a larger micro batch). `global_batch` (sequences per optimizer step) searches
     the micro batch for each row instead of taking the workload's; `exact_only` leaves out rows whose
     quantised collectives change the numerics (what `strategy: auto` may run). `layouts` replaces the
     rows (a training config's own strategy, to search its micro batch)."""
@@ -115,6 +118,8 @@ def choose(model: ModelSpec, cluster: Cluster, workload: Workload,
     searched: dict[str, list[MemoryEstimate]] = {}
     if global_batch is not None:
         check_global_batch(global_batch, cluster.world_size)
+    if activation_checkpointing is not None:
+        activation_checkpointing = Checkpointing(activation_checkpointing)
     for layout in layouts or all_layouts(cluster, workload):
         if global_batch is None:
             estimates.append(row(model, layout, activation_checkpointing))
@@ -127,7 +132,8 @@ def choose(model: ModelSpec, cluster: Cluster, workload: Workload,
         choice=chosen.strategy if chosen else None,
         offload_optimizer=bool(chosen and chosen.offload_optimizer),
         offload_params=bool(chosen and chosen.offload_params),
-        activation_checkpointing=bool(chosen.activation_checkpointing if chosen else activation_checkpointing),
+        activation_checkpointing=chosen.activation_checkpointing if chosen else Checkpointing(
+            activation_checkpointing or "off"),
         estimates=estimates, reasons=[], model=model, cluster=cluster, workload=workload,
         requested_checkpointing=activation_checkpointing,
         hybrid=bool(chosen and chosen.name == spec(chosen.strategy).hybrid_row),

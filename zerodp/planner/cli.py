@@ -10,6 +10,7 @@ import argparse
 import json
 
 from zerodp.errors import UserError
+from zerodp.models.chunking import checkpointing_mode
 from zerodp.planner.choose import choose
 from zerodp.planner.hardware import GPUS, INTERCONNECTS, MFU, Cluster, GpuSpec, gpu_preset
 from zerodp.planner.hf_config import SUPPORTED as HF_MODEL_TYPES
@@ -69,8 +70,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--grad-accum", type=int, help="micro batches per optimizer step (default 1; with --config "
                    "train.global_batch_size / (micro batch x GPUs), as zerodp train splits it, which this must equal)")
     w.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default bf16, or the config's")
-    w.add_argument("--activation-checkpointing", choices=("on", "off"),
-                   help="default: the planner decides (or the config's when it says true)")
+    w.add_argument("--activation-checkpointing", choices=("off", "selective", "full", "on"),
+                   help="off, selective (the matmul and attention outputs kept) or full (on); default: the planner "
+                        "decides (or the config's when it is not off)")
+    w.add_argument("--loss-chunks", help="the head and loss in this many chunks of tokens, 0: the whole logits "
+                   "(default auto, or the config's model.loss_chunks)")
     w.add_argument("--async-save", action="store_true",
                    help="show the host memory per node of checkpoint.async_save's snapshot (one copy of each "
                         "rank's checkpoint; the config's checkpoint.async_save turns it on too)")
@@ -173,7 +177,8 @@ def build(args):
         if args.seq_len and args.seq_len > cfg.model.block_size:
             raise UserError(f"--seq-len {args.seq_len} exceeds model.block_size={cfg.model.block_size}; "
                             f"raise block_size in the config or pass a shorter --seq-len")
-        ckpt = True if cfg.model.activation_checkpointing else None
+        ckpt = checkpointing_mode(cfg.model.activation_checkpointing)
+        ckpt = ckpt if ckpt != "off" else None
     else:
         base = Workload(1, min(model.context, 4096))
         ckpt = None
@@ -195,9 +200,10 @@ def build(args):
     workload = Workload(micro, args.seq_len or base.seq_len, args.precision or base.precision, accum, base.bucket_mb,
                         base.fsdp_defer_grad_reduce, base.fsdp_reshard_after_forward, base.zero3_persistence_threshold,
                         base.zero3_keep_window, document_masking=base.document_masking,
-                        document_attention=base.document_attention)
+                        document_attention=base.document_attention,
+                        loss_chunks=base.loss_chunks if args.loss_chunks is None else _loss_chunks(args.loss_chunks))
     if args.activation_checkpointing:
-        ckpt = args.activation_checkpointing == "on"
+        ckpt = "full" if args.activation_checkpointing == "on" else args.activation_checkpointing
     if model.shape_assumed:
         notes.append(f"layer shape guessed from the parameter count ({model.n_layer} layers, hidden {model.hidden}); "
                      "pass --layers and --hidden for exact activations")
@@ -205,6 +211,12 @@ def build(args):
     plan.assumptions.extend(notes)
     plan.async_save = args.async_save or bool(cfg is not None and cfg.checkpoint.async_save)
     return plan
+
+
+def _loss_chunks(value: str) -> int | str:
+    if value == "auto" or (value.isdigit()):
+        return value if value == "auto" else int(value)
+    raise UserError(f"--loss-chunks {value!r} must be 0 (the whole logits), a number of chunks or auto")
 
 
 def run(args) -> int:

@@ -12,6 +12,14 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from zerodp.planner.activations import (
+    Checkpointing,
+    autocast_copy_bytes,
+    compute_factor,
+    head_loss_bytes,
+    precision_extra,
+    selective_factor,
+)
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.models import ModelSpec
@@ -63,6 +71,8 @@ class Workload:
     """data.document_masking: one document mask per micro batch (`document_mask_bytes`)."""
     document_attention: str = "auto"
     """model.document_attention: the kernel the mask is for (auto: flex on CUDA without dropout, else sdpa)."""
+    loss_chunks: int | str = "auto"
+    """model.loss_chunks: the head and loss in chunks (zerodp.planner.activations.head_loss_bytes)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,8 @@ class Layout:
     workload: Workload
     offload_optimizer: bool = False
     offload_params: bool = False
-    activation_checkpointing: bool = False
+    activation_checkpointing: Checkpointing | bool | str = Checkpointing("off")
+    """off | selective | full (true: full, false: off); held as a `Checkpointing`, false when off."""
     hybrid: bool = False
     """Across nodes: fsdp shards within a node and replicates across nodes (HSDP, strategy.hybrid_shard);
     zero3 runs with ZeRO++ (hpZ secondary partition within the node, int8 weight all-gather, int4
@@ -85,6 +96,9 @@ class Layout:
     """...the int8 weight all-gather..."""
     qgz: bool = False
     """...the int4 gradient reduction."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "activation_checkpointing", Checkpointing(self.activation_checkpointing))
 
     @property
     def spec(self) -> StrategySpec:
@@ -122,7 +136,7 @@ class MemoryEstimate:
     strategy: str
     offload_optimizer: bool
     offload_params: bool
-    activation_checkpointing: bool
+    activation_checkpointing: Checkpointing
     params_bytes: int
     grads_bytes: int
     optimizer_bytes: int
@@ -256,18 +270,31 @@ def document_mask_bytes(m: ModelSpec, w: Workload, cuda: bool) -> int:
     return w.micro_batch * w.seq_len * w.seq_len * COMPUTE_BYTES[w.precision]
 
 
-def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool, cuda: bool = True) -> int:
-    """Activations kept for backward for one micro batch, the logits, the loss and the document mask
-    (on a `cuda` device or not: the mask's kernel) included."""
+def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool | str, cuda: bool = True,
+                     autocast: bool = False) -> int:
+    """Activations kept for backward for one micro batch under `checkpointing` (off, selective, full), the
+    head's logits and loss, the document mask (on a `cuda` device or not: the mask's kernel) and, with
+    `autocast` (fp32 parameters, 16-bit compute: `autocasts`), its 16-bit weight copies included."""
     s, b, h = w.seq_len, w.micro_batch, m.hidden
     scale = COMPUTE_BYTES[w.precision] / 2  # the factors above are for 16-bit activations
-    one_layer = s * b * h * layer_activation_factor(m, s) * scale
-    if checkpointing:  # each block keeps its input; one block is recomputed at a time
-        layers = m.n_layer * 2 * s * b * h * scale + one_layer
+    one_layer = s * b * h * (layer_activation_factor(m, s) + precision_extra(m, w.precision, autocast)) * scale
+    mode = Checkpointing(checkpointing)
+    if mode == "full":  # each block keeps its input (fp32 under autocast); one block is recomputed at a time
+        layers = m.n_layer * (4 if autocast else 2 * scale) * s * b * h + one_layer
+    elif mode == "selective":  # each block keeps its matmul and attention outputs; one recomputed at a time
+        layers = m.n_layer * s * b * h * selective_factor(m, autocast) * scale + one_layer
     else:
         layers = m.n_layer * one_layer
-    logits = b * s * m.vocab_size * (COMPUTE_BYTES[w.precision] + 4)  # logits + fp32 copy for the loss
-    return int(layers + logits) + document_mask_bytes(m, w, cuda)
+    head = head_loss_bytes(m, b * s, w.precision, w.loss_chunks)
+    copies = autocast_copy_bytes(m, w.precision, autocast)
+    return int(layers) + head + copies + document_mask_bytes(m, w, cuda)
+
+
+def autocasts(layout: Layout) -> bool:
+    """Whether the engine keeps fp32 parameters and computes in 16 bits under torch.autocast (single, ddp):
+    its residual stream is fp32 and it casts each weight once per forward."""
+    s = layout.spec
+    return layout.workload.precision != "fp32" and s.fp32_params and not s.gathers_in_forward
 
 
 def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
@@ -350,10 +377,13 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     # zerodp's DDP uses gradient_as_bucket_view: its buckets are the gradients, counted above.
     buckets = bucket_bytes(s.zero_stage, model.hidden, P, w.precision, w.grad_reduce_dtype, layout.offload_optimizer,
                            w.bucket_mb, model.largest_param) if s.bucket_copies and n > 1 else 0
-    acts = activation_bytes(model, w, ac, c.gpu.cuda)
+    acts = activation_bytes(model, w, ac, c.gpu.cuda, autocasts(layout))
     overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
+    # Without accumulation an engine that frees its gradients after the step peaks either with the
+    # activations and no gradients (the loss's backward) or with the gradients and (nearly) no activations.
+    transient = max(acts, grads_b) - grads_b if s.frees_grads and w.grad_accum_steps == 1 else acts
     persistent = persistent_param_bytes(model, layout)
-    total = states + master_b + secondary + persistent + unsharded + gathered + buckets + acts + overhead
+    total = states + master_b + secondary + persistent + unsharded + gathered + buckets + transient + overhead
     usable = int(c.gpu.hbm_bytes * (1 - MARGIN))
     cpu_node = offloaded * c.gpus_per_node
     cpu_fits = None if not offloaded or c.cpu_ram_bytes is None else cpu_node <= c.cpu_ram_bytes
@@ -366,16 +396,18 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     startup_host_fits = None if c.cpu_ram_bytes is None else startup_node <= c.cpu_ram_bytes
 
     # Time: training FLOPs per token (6 per multiplying parameter + attention, `train_flops_per_token`),
-    # a third more with the forward recomputed; a mixture of experts counts the experts a token is routed to.
+    # more with recomputation (`compute_factor`: full a third, selective its element-wise share); a mixture
+    # of experts counts the experts a token is routed to.
     tokens = w.micro_batch * w.seq_len * w.grad_accum_steps
-    flops_per_token = train_flops_per_token(model, w.seq_len) * (4 / 3 if ac else 1)
+    flops_per_token = train_flops_per_token(model, w.seq_len) * compute_factor(ac)
+    redo = (compute_factor(ac) - 1) * 6  # the recomputed work, in units of 1/6 of a step without it
     peak = c.gpu.peak_flops_32 if w.precision == "fp32" else c.gpu.peak_flops_16
     compute_s = flops_per_token * tokens / (c.mfu * peak)
     parts = collectives(model, layout)
     overlap_s = sum(collective_seconds(x, c) for x in parts if x.overlappable)
     waited_s = sum(collective_seconds(x, c) for x in parts if not x.overlappable)
     # Gradient reduction can only hide behind the backward; ZeRO-3/FSDP prefetch behind everything.
-    window = compute_s if sharded else compute_s * (4 + (2 if ac else 0)) / (6 + (2 if ac else 0))
+    window = compute_s if sharded else compute_s * (4 + redo) / (6 + redo)
     exposed_s = max(0.0, overlap_s - window) + waited_s
     offload_s = 0.0
     if offloaded:  # CPU Adam on this node's shards, plus gradients down and params up over PCIe

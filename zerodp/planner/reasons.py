@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
+from zerodp.planner.activations import SELECTIVE_RECOMPUTE, Checkpointing
 from zerodp.planner.hardware import Cluster
-from zerodp.planner.memory import MARGIN, Layout, MemoryEstimate, Workload, activation_bytes, estimate
+from zerodp.planner.memory import MARGIN, Layout, MemoryEstimate, Workload, estimate
 from zerodp.planner.models import ModelSpec
 from zerodp.planner.rows import CLOSE, TIE, best, layouts, offloads
 from zerodp.planner.units import gb, seconds
@@ -32,7 +33,7 @@ def reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
     out: list[str] = []
     device = plan.cluster.device
     if chosen:
-        ckpt = "on" if chosen.activation_checkpointing else "off"
+        ckpt = chosen.activation_checkpointing
         micro = (f", micro batch {chosen.micro_batch} x {chosen.grad_accum_steps} accumulation"
                  if plan.global_batch else "")
         why = ("the fastest predicted step that fits" + (" (its CPU optimizer step and PCIe copies included)"
@@ -49,19 +50,32 @@ def reasons(plan: Plan, chosen: Optional[MemoryEstimate]) -> list[str]:
         if plan.global_batch:
             out.append(_micro_sentence(plan, chosen))
         elif plan.requested_checkpointing is None:
-            if chosen.activation_checkpointing:
-                without = activation_bytes(plan.model, plan.workload, False, plan.cluster.gpu.cuda)
-                out.append(f"Activation checkpointing turned on: without it activations need {gb(without)} per "
-                           f"{device} and it does not fit; recomputing the forward adds ~33% compute, included in "
-                           "the step time.")
-            else:
-                out.append("Activation checkpointing left off: it fits without it, and it would add ~33% compute.")
+            out.append(_mode_sentence(plan, chosen))
     else:
         out.append(f"Nothing fits on {_where(plan.cluster)} ({MARGIN:.0%} of memory kept free).")
     for r in plan.estimates:
         if chosen is None or r.name != chosen.name:
             out.append(f"{r.name}: {_why_not(r, chosen, plan)}")
     return out
+
+
+COST = {"selective": f"recomputing the element-wise work adds ~{SELECTIVE_RECOMPUTE / 3:.0%} compute",
+        "full": "recomputing the forward adds ~33% compute"}
+"""What each checkpointing mode costs, in words (zerodp.planner.activations.compute_factor)."""
+
+
+def _mode_sentence(plan: Plan, chosen: MemoryEstimate) -> str:
+    """Why the chosen row checkpoints as it does, when the planner decided (no global batch)."""
+    mode, device = chosen.activation_checkpointing, plan.cluster.device
+    if not mode:
+        return (f"Activation checkpointing left off: it fits without it, and selective would add "
+                f"~{SELECTIVE_RECOMPUTE / 3:.0%} compute, full ~33%.")
+    less = [estimate(plan.model, Layout(chosen.strategy, plan.cluster, plan.workload, chosen.offload_optimizer,
+                                        chosen.offload_params, m, hybrid=plan.hybrid))
+            for m in ("off", "selective")[:mode.rank]]
+    why = "; ".join(f"{r.activation_checkpointing}, it needs {gb(r.total_bytes)} per {device}" for r in less)
+    return (f"Activation checkpointing {mode}: the least recomputation that fits ({why}, over the "
+            f"{gb(chosen.usable_bytes)} usable); {COST[mode]}, included in the step time.")
 
 
 def _ties(plan: Plan, chosen: MemoryEstimate) -> bool:
@@ -85,23 +99,15 @@ def _micro_sentence(plan: Plan, chosen: MemoryEstimate) -> str:
     else:
         head += f"the highest predicted tokens/s among those that fit ({listed})"
     other = [e for e in tried if e.fits and e.activation_checkpointing != chosen.activation_checkpointing]
-    if chosen.activation_checkpointing:
-        if other:
-            alt = best(other)
-            tail = (f"; checkpointing on: without it micro batch {alt.micro_batch} at most fits, "
-                    f"{_per_s(alt, device)}")
-        elif plan.requested_checkpointing is None:
-            tail = "; checkpointing on: without it no micro batch fits"
-        else:
-            tail = "; checkpointing on, as requested"
-    elif other and best(other).micro_batch > chosen.micro_batch:
-        alt = best(other)
-        tail = (f"; checkpointing off: with it micro batch {alt.micro_batch} would fit, {_per_s(alt, device)} "
-                f"(recomputing the forward costs ~33%)")
-    elif other:
-        tail = "; checkpointing off: every micro batch fits without it, and recomputing the forward costs ~33%"
+    mode = chosen.activation_checkpointing
+    if plan.requested_checkpointing is not None:
+        tail = f"; checkpointing {mode}, as requested"
     else:
-        tail = "; checkpointing off" + (", as requested" if plan.requested_checkpointing is False else "")
+        tail = f"; checkpointing {mode}" + "".join(
+            f"; {m}: " + (f"micro batch {best(rows).micro_batch} at most, {_per_s(best(rows), device)}" if rows
+                          else "no micro batch fits")
+            for m in ("off", "selective", "full") if m != mode
+            for rows in [[e for e in other if e.activation_checkpointing == m]])
     return head + tail + "."
 
 
@@ -133,8 +139,9 @@ def _slower_because(r: MemoryEstimate, chosen: MemoryEstimate, device: str) -> s
     """The term of the step-time model that makes `r` slower than the choice."""
     causes = []
     if r.compute_s > chosen.compute_s * 1.001:
-        causes.append("recomputing the forward for activation checkpointing (+33% compute)"
-                      if r.activation_checkpointing and not chosen.activation_checkpointing
+        mode = r.activation_checkpointing
+        causes.append(f"activation checkpointing {mode} ({COST[mode]})"
+                      if mode.rank > chosen.activation_checkpointing.rank
                       else f"{seconds(r.compute_s)} of compute vs {seconds(chosen.compute_s)}")
     if r.exposed_comm_s > chosen.exposed_comm_s:
         inter = f", {gb(r.inter_node_bytes)} of it across nodes per node" if r.inter_node_bytes else ""
@@ -199,7 +206,7 @@ def _sharded(workload: Workload) -> str:
     return next(s.name for s in planned() if s.zero_stage == 3 and not (deferring and s.defer_grad_reduce))
 
 
-def _min_gpus(model: ModelSpec, cluster: Cluster, workload: Workload, ac: bool) -> Optional[Cluster]:
+def _min_gpus(model: ModelSpec, cluster: Cluster, workload: Workload, ac: bool | str) -> Optional[Cluster]:
     """The smallest cluster with more GPUs on which `_sharded(workload)` fits: up to a full node
     (8 GPUs unless --gpus says more) on one machine, then whole nodes. None when no size does."""
     node = max(cluster.gpus_per_node, 8) if cluster.nodes == 1 else cluster.gpus_per_node
@@ -228,27 +235,32 @@ def _gpus(c: Cluster) -> str:
     return f"{c.world_size} {c.device}s" + (f" ({c.nodes} nodes of {c.gpus_per_node})" if c.nodes > 1 else "")
 
 
-def suggest(model: ModelSpec, cluster: Cluster, workload: Workload, requested: Optional[bool],
+def suggest(model: ModelSpec, cluster: Cluster, workload: Workload, requested: Optional[bool | str],
              without_offload: bool = False) -> str:
-    """What would fit: checkpointing, more GPUs (for fsdp or zero3), or a smaller micro batch."""
-    ac, sharded, device = requested is not False, _sharded(workload), cluster.device
-    ckpt = " with activation checkpointing on" if ac and requested is None else ""
+    """What would fit: checkpointing, more GPUs (for fsdp or zero3), or a smaller micro batch. `requested`:
+    the checkpointing mode asked for, None when the planner decides (then full: what fits best)."""
+    forced_off = requested is not None and not Checkpointing(requested)
+    ac = Checkpointing("full" if requested is None else requested)
+    sharded, device = _sharded(workload), cluster.device
+    ckpt = " with activation checkpointing full" if requested is None else ""
     if without_offload:
         c = _min_gpus(model, cluster, workload, ac)
         return (f"without offloading, {sharded} fits on {_gpus(c)}{ckpt}." if c else
                 f"without offloading, no number of {device}s fits this micro batch and sequence length.")
-    if requested is False:
-        for layout in layouts(cluster, workload):
-            r = estimate(model, dataclasses.replace(layout, activation_checkpointing=True))
-            if r.fits:
-                return (f"It would fit with activation checkpointing on ({r.name}, {gb(r.total_bytes)} per {device}): "
-                        f"pass --activation-checkpointing on or set model.activation_checkpointing=true.")
+    if forced_off:
+        for mode in ("selective", "full"):
+            for layout in layouts(cluster, workload):
+                r = estimate(model, dataclasses.replace(layout, activation_checkpointing=mode))
+                if r.fits:
+                    return (f"It would fit with activation checkpointing {mode} ({r.name}, {gb(r.total_bytes)} per "
+                            f"{device}): pass --activation-checkpointing {mode} or set "
+                            f"model.activation_checkpointing={mode}.")
     c = _min_gpus(model, cluster, workload, ac)
     if c:
         return f"Smallest that fits: {_gpus(c)} with {sharded}{ckpt.replace(' with', ' and')}."
-    if requested is False and (c := _min_gpus(model, cluster, workload, True)):
-        return (f"No number of {device}s fits without activation checkpointing; with it on "
-                f"(--activation-checkpointing on), {sharded} fits on {_gpus(c)}.")
+    if forced_off and (c := _min_gpus(model, cluster, workload, True)):
+        return (f"No number of {device}s fits without activation checkpointing; with it full "
+                f"(--activation-checkpointing full), {sharded} fits on {_gpus(c)}.")
     huge = estimate(model, Layout(sharded, dataclasses.replace(cluster, nodes=1 << 14), workload,
                                   activation_checkpointing=ac))
     if huge.startup_host_fits is False:  # what no number of GPUs divides: one checkpoint tensor per rank

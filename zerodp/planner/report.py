@@ -19,11 +19,15 @@ _SEARCH_FIELDS = ("micro_batch", "grad_accum_steps", "activation_checkpointing",
                   "tokens_per_s_per_gpu")
 
 
+CKPT_COLUMN = {"off": "off", "selective": "sel", "full": "full"}
+"""The table's `ckpt` column: each activation checkpointing mode in at most four letters."""
+
+
 def _header(plan) -> list[str]:
     m, c, w = plan.model, plan.cluster, plan.workload
     shape = f"{m.n_layer} layers, hidden {m.hidden}, {m.n_head} heads, vocab {m.vocab_size}"
     nodes = f"{c.nodes} nodes x {c.gpus_per_node}" if c.nodes > 1 else f"1 node x {c.gpus_per_node}"
-    ckpt = {None: "planner's choice", True: "on", False: "off"}[plan.requested_checkpointing]
+    ckpt = "planner's choice" if plan.requested_checkpointing is None else plan.requested_checkpointing
     active = f", {human_count(m.active_params)} active per token" if m.active_params != m.params else ""
     return [
         f"zerodp plan: {m.name}, {human_count(m.params)} parameters ({m.params:,}{active}; {shape})",
@@ -32,7 +36,7 @@ def _header(plan) -> list[str]:
         (f"step: global batch {plan.global_batch} sequences x {w.seq_len} tokens, micro batch searched among the "
          f"divisors of {plan.global_batch // c.world_size} per {c.device}, " if plan.global_batch else
          f"step: micro batch {w.micro_batch} x {w.seq_len} tokens x {w.grad_accum_steps} accumulation, ")
-        + f"{w.precision}, activation checkpointing: {ckpt}",
+        + f"{w.precision}, activation checkpointing: {ckpt}, loss chunks: {w.loss_chunks}",
         f"memory per {c.device} in GB (1e9 bytes); fits = total and startup (start-up peak) within {1 - MARGIN:.0%} "
         f"of {gb(c.gpu.hbm_bytes)}" + (f", start-up host RAM within {gb(c.cpu_ram_bytes)} per node"
                                        if c.cpu_ram_bytes else ""),
@@ -48,7 +52,7 @@ def _cells(e) -> list[str]:
     side is in the JSON); 'inter/node' what each node sends to the others per step."""
     g = lambda b: f"{b / 1e9:.1f}"  # noqa: E731
     return [
-        e.name, str(e.micro_batch), str(e.grad_accum_steps), "on" if e.activation_checkpointing else "off",
+        e.name, str(e.micro_batch), str(e.grad_accum_steps), CKPT_COLUMN.get(e.activation_checkpointing, "off"),
         g(e.params_bytes), g(e.grads_bytes),
         g(e.optimizer_bytes), g(e.engine_master_bytes + e.unsharded_grads_bytes + e.secondary_bytes
                                  + e.persistent_bytes),
@@ -101,7 +105,7 @@ def plan_dict(plan) -> dict:
                     c.intra_bandwidth, "inter_node_bandwidth_bytes_per_s": c.inter_bandwidth if c.nodes > 1 else None,
                     "cpu_ram_bytes": c.cpu_ram_bytes, "mfu": c.mfu},
         "workload": {"micro_batch": w.micro_batch, "seq_len": w.seq_len, "precision": w.precision,
-                     "grad_accum_steps": w.grad_accum_steps, "bucket_mb": w.bucket_mb},
+                     "grad_accum_steps": w.grad_accum_steps, "bucket_mb": w.bucket_mb, "loss_chunks": w.loss_chunks},
         "margin": MARGIN,
         "activation_checkpointing_requested": plan.requested_checkpointing,
         "choice": plan.choice_name,

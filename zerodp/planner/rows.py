@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from zerodp.models.chunking import CHECKPOINTING
+from zerodp.planner.activations import Checkpointing
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.memory import Layout, MemoryEstimate, Workload, estimate
 from zerodp.planner.models import ModelSpec
@@ -47,43 +49,46 @@ def layouts(cluster: Cluster, workload: Workload) -> list[Layout]:
     return out
 
 
-def row(model: ModelSpec, base: Layout, requested: Optional[bool]) -> MemoryEstimate:
-    """The estimate for one variant: checkpointing as requested, or off unless only on fits."""
+def row(model: ModelSpec, base: Layout, requested: Optional[bool | str]) -> MemoryEstimate:
+    """The estimate for one variant: checkpointing as requested, or the first of off, selective, full that
+    fits (full when none does)."""
     if requested is not None:
         return estimate(model, dataclasses.replace(base, activation_checkpointing=requested))
-    off = estimate(model, base)
-    if off.fits or (off.total_bytes <= off.usable_bytes and off.cpu_fits is not False):
-        return off  # fits, or only its start-up peak does not: checkpointing shrinks activations alone
-    return estimate(model, dataclasses.replace(base, activation_checkpointing=True))
+    for mode in CHECKPOINTING:
+        r = estimate(model, dataclasses.replace(base, activation_checkpointing=mode))
+        if r.fits or (r.total_bytes <= r.usable_bytes and r.cpu_fits is not False):
+            return r  # fits, or only its start-up peak does not: checkpointing shrinks activations alone
+    return r
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search(model: ModelSpec, base: Layout, requested: Optional[bool],
+def search(model: ModelSpec, base: Layout, requested: Optional[bool | str],
             global_batch: int) -> tuple[MemoryEstimate, list[MemoryEstimate]]:
-    """Every micro batch that divides the global batch per rank, with checkpointing off and on (or as
-    requested): (the one with the highest predicted tokens/s that fits, everything tried). When none
-    fits, the smallest: micro batch 1, checkpointing on unless it was requested off."""
+    """Every micro batch that divides the global batch per rank, with checkpointing off, selective and full
+    (or as requested): (the one with the highest predicted tokens/s that fits, everything tried). When none
+    fits, the smallest: micro batch 1, checkpointing full unless another mode was requested."""
     per_rank = global_batch // base.cluster.world_size
     tried = []
     for b in divisors(per_rank):
         w = dataclasses.replace(base.workload, micro_batch=b, grad_accum_steps=per_rank // b)
-        for ac in ((False, True) if requested is None else (requested,)):
+        for ac in (CHECKPOINTING if requested is None else (Checkpointing(requested),)):
             tried.append(estimate(model, dataclasses.replace(base, workload=w, activation_checkpointing=ac)))
     fitting = [e for e in tried if e.fits]
     if not fitting:
-        smallest = requested is not False
+        smallest = "full" if requested is None else Checkpointing(requested)
         return next(e for e in tried if e.micro_batch == 1 and e.activation_checkpointing == smallest), tried
     return best(fitting), tried
 
 
 def best(fitting: list[MemoryEstimate]) -> MemoryEstimate:
-    """The highest predicted tokens/s; within CLOSE of it, checkpointing off and the largest micro batch."""
+    """The highest predicted tokens/s; within CLOSE of it, the least recomputation (off, selective, full) and
+    the largest micro batch."""
     top = max(e.tokens_per_s_per_gpu for e in fitting)
     close = [e for e in fitting if e.tokens_per_s_per_gpu >= top * (1 - CLOSE)]
-    return max(close, key=lambda e: (not e.activation_checkpointing, e.micro_batch))
+    return max(close, key=lambda e: (-e.activation_checkpointing.rank, e.micro_batch))
 
 
 def pick(rows: list[MemoryEstimate], exact_only: bool = False) -> Optional[MemoryEstimate]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from zerodp.errors import UserError
+from zerodp.models.chunking import checkpointing_mode
 from zerodp.planner.choose import Plan, choose
 from zerodp.planner.hardware import Cluster, gpu_from_device_name
 from zerodp.planner.memory import ZERO3_PERSISTENCE_THRESHOLD, Layout, MemoryEstimate, Workload, estimate
@@ -29,7 +30,8 @@ def workload_from_config(cfg, world_size: int) -> Workload:
                     s.fsdp_defer_grad_reduce, s.reshard_after_forward,
                     int(zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)),
                     int(max(zero.get("stage3_max_reuse_distance", 1e9), zero.get("stage3_prefetch_bucket_size", 5e7))),
-                    s.grad_reduce_dtype, cfg.data.document_masking, cfg.model.document_attention)
+                    s.grad_reduce_dtype, cfg.data.document_masking, cfg.model.document_attention,
+                    cfg.model.loss_chunks)
 
 
 def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_name: str = "cpu", *,
@@ -52,7 +54,8 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     batch does not split over `world_size` ranks.
     """
     cluster, note = _cluster(world_size, device_memory_bytes, device_name, gpus_per_node)
-    requested = True if cfg.model.activation_checkpointing else (None if allow_checkpointing else False)
+    mode = checkpointing_mode(cfg.model.activation_checkpointing)
+    requested = mode if mode != "off" else (None if allow_checkpointing else "off")
     search = cfg.train.micro_batch_size == "auto"
     workload = workload_from_config(cfg, world_size)
     layouts = None
@@ -64,9 +67,10 @@ def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_nam
     plan.async_save = cfg.checkpoint.async_save
     if note:
         plan.assumptions.append(note)
-    if plan.activation_checkpointing and not cfg.model.activation_checkpointing and plan.choice:
-        plan.reasons.append("The config has model.activation_checkpointing=false; the plan turns it on "
-                            "(set it to true to make this explicit).")
+    if plan.activation_checkpointing and mode == "off" and plan.choice:
+        plan.reasons.append(f"The config has model.activation_checkpointing=off; the plan turns it "
+                            f"{plan.activation_checkpointing} (set it to {plan.activation_checkpointing} to make "
+                            "this explicit).")
     return plan
 
 
@@ -88,7 +92,8 @@ def _layout(cfg, cluster: Cluster, workload: Workload, strategy: Optional[str] =
     hybrid = cluster.nodes > 1 and run.hybrid_shard and s.hybrid_shard
     zeropp = run.zeropp  # ZeRO++ as the config sets it (its hpZ group taken as one node)
     return Layout(name, cluster, workload, s.offload_optimizer, s.offload_params,
-                  cfg.model.activation_checkpointing, hybrid=hybrid, hpz=zeropp and s.hpz_partition_size != 1,
+                  checkpointing_mode(cfg.model.activation_checkpointing), hybrid=hybrid,
+                  hpz=zeropp and s.hpz_partition_size != 1,
                   qwz=zeropp and s.quantized_weights, qgz=zeropp and s.quantized_gradients)
 
 
@@ -106,3 +111,4 @@ def _cluster(world_size: int, device_memory_bytes: int, device_name: str,
     # CPU ranks share the node's RAM: pass it, so the start-up peak of all of them is checked against it
     node_ram = device_memory_bytes * per_node if not gpu.cuda else None
     return Cluster(gpu=gpu, gpus_per_node=per_node, nodes=world_size // per_node, cpu_ram_bytes=node_ram), note
+

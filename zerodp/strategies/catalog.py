@@ -77,6 +77,9 @@ class StrategySpec:
     """Keeps reduce and all-gather buckets beside the gradients (DeepSpeed), 2 x strategy.bucket_size_mb."""
     defer_grad_reduce: bool = False
     """Has strategy.fsdp_defer_grad_reduce: with accumulation it keeps the unsharded fp32 gradients (4P)."""
+    frees_grads: bool = False
+    """Frees its whole gradients after each optimizer step (zero_grad(set_to_none=True), no bucket holds
+    them): without accumulation they do not exist while the forward's activations do."""
 
     def __post_init__(self):
         assert 0 <= self.zero_stage <= 3 and self.layout in LAYOUTS, self
@@ -97,7 +100,7 @@ class StrategySpec:
 
 CATALOG: dict[str, StrategySpec] = {s.name: s for s in (
     StrategySpec(name="single", implementation="zerodp.strategies.single:SingleStrategy", zero_stage=0,
-                 layout="canonical", gathers_in_forward=False, single_process=True, fp32_params=True,
+                 layout="canonical", gathers_in_forward=False, single_process=True, fp32_params=True, frees_grads=True,
                  startup="fp32_module", traffic="all_reduce"),
     StrategySpec(name="ddp", implementation="zerodp.strategies.ddp:DDPStrategy", zero_stage=0,
                  layout="canonical", gathers_in_forward=False, preference=1, on_one_device="single",

@@ -220,7 +220,7 @@ class PlanCheck:
         """One line: the run as the planner sees it, and what it predicts per step and per rank."""
         e, t = self.estimate, self.cfg.train
         return (f"plan for this run: {e.name} on {self.world_size} rank(s), micro batch {t.micro_batch_size}, "
-                f"{t.precision}, activation checkpointing {'on' if e.activation_checkpointing else 'off'}: "
+                f"{t.precision}, activation checkpointing {e.activation_checkpointing}: "
                 f"comm/step {_mib(e.comm_bytes)} sent per rank, model states {_mib(_planned_states(e))} and "
                 f"{_mib(e.total_bytes)} in all per rank, step {e.step_s:.3g}s")
 

@@ -268,7 +268,7 @@ def resolve_strategy(cfg: Config, world_size: int, device: torch.device, local_w
         cfg.strategy.offload_params = plan.offload_params
         if plan.hybrid:  # only fsdp+hybrid: strategy: auto never picks the approximate zero3+zero++
             cfg.strategy.hybrid_shard = True
-    cfg.model.activation_checkpointing = plan.activation_checkpointing
+    cfg.model.activation_checkpointing = str(plan.activation_checkpointing)  # off, selective or full
     if search:
         cfg.train.micro_batch_size = plan.micro_batch
     return cfg, plan
@@ -279,6 +279,6 @@ def micro_batch_line(plan) -> str:
     row = plan.chosen
     return (f"train.micro_batch_size=auto: micro batch {row.micro_batch} x {row.grad_accum_steps} accumulation "
             f"on {plan.cluster.world_size} rank(s) (global batch {plan.global_batch}) under {row.name}, "
-            f"activation checkpointing {'on' if row.activation_checkpointing else 'off'}, predicted "
+            f"activation checkpointing {row.activation_checkpointing}, predicted "
             f"{row.tokens_per_s_per_gpu:,.0f} tokens/s per device: "
             + next((r for r in plan.reasons if r.startswith("Micro batch")), "").rstrip("."))

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.h
 from zerodp.models.arch import arch_of
 from zerodp.models.common import DecoderLM, LayerKV, attend
 from zerodp.models.docmask import attend_documents
+from zerodp.models.loss import LMHead
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,7 +86,7 @@ class GPT(DecoderLM):
                 ln_f=nn.LayerNorm(a.n_embd, eps=a.norm_eps, bias=a.bias),
             )
         )
-        self.lm_head = nn.Linear(a.n_embd, a.vocab_size, bias=False)
+        self.lm_head = LMHead(a.n_embd, a.vocab_size, cfg.loss_chunks)
         if a.tied:
             self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
 
@@ -103,5 +104,6 @@ class GPT(DecoderLM):
             return block(x, None, mask)
         return block(x) if kv is None else block(x, kv)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (B, T, V), or with `targets` the summed cross-entropy (zerodp.models.loss)."""
+        return self.lm_head(self.transformer.ln_f(x), targets)

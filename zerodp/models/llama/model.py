@@ -23,6 +23,7 @@ from zerodp.errors import ConfigError
 from zerodp.models.arch import Arch, arch_of
 from zerodp.models.common import DecoderLM, LayerKV, attend
 from zerodp.models.docmask import attend_documents
+from zerodp.models.loss import LMHead
 
 
 class RMSNorm(nn.Module):
@@ -153,7 +154,7 @@ class Llama(DecoderLM):
         self.model.embed_tokens = nn.Embedding(a.vocab_size, a.n_embd)
         self.model.layers = nn.ModuleList(Block(a, cfg.dropout, self.ATTENTION) for _ in range(a.n_layer))
         self.model.norm = RMSNorm(a.n_embd, a.norm_eps)
-        self.lm_head = nn.Linear(a.n_embd, a.vocab_size, bias=False)
+        self.lm_head = LMHead(a.n_embd, a.vocab_size, cfg.loss_chunks)
         if a.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope: tuple | None = None
@@ -182,5 +183,6 @@ class Llama(DecoderLM):
             return block(x, cos, sin, None, mask)
         return block(x, cos, sin) if kv is None else block(x, cos, sin, kv)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(x))  # (B, T, V)
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits (B, T, V), or with `targets` the summed cross-entropy (zerodp.models.loss)."""
+        return self.lm_head(self.model.norm(x), targets)

@@ -88,7 +88,7 @@ def run_and_eval(folder, tmp_path, capsys, packing: str) -> tuple[float, dict, d
     assert main(["convert", str(run), str(tmp_path / f"hf-{packing}"), "--to", "hf", "--no-progress"]) == 0
     capsys.readouterr()
     results = []
-    for extra in ([], ["--all"]):
+    for extra in ([], ["--all", "--batch-size", "64"]):
         assert main(["eval", str(run), "--json", "--no-progress", *extra]) == 0
         results.append(json.loads(capsys.readouterr().out))
     return logged, *results
@@ -103,14 +103,14 @@ def test_eval_of_the_run_is_the_val_loss_training_logged_and_the_export_the_same
     # the whole split with the same data settings: the export, its data named, computes what the run does
     assert whole["set"] == "split" and whole["samples"] > validation["samples"]
     data = [f"data.source={folder}", "data.document_masking=true", f"data.packing={packing}"]
-    assert main(["eval", str(tmp_path / f"hf-{packing}"), *data, "--json", "--no-progress"]) == 0
+    assert main(["eval", str(tmp_path / f"hf-{packing}"), *data, "--json", "--no-progress", "--batch-size", "64"]) == 0
     exported = json.loads(capsys.readouterr().out)
     assert (exported["set"], exported["targets"], exported["samples"]) == ("split", whole["targets"], whole["samples"])
     assert exported["val_loss"] == pytest.approx(whole["val_loss"], abs=1e-5)
     if packing == "false":
         return  # one conversation a row: document masking changes nothing
     # without the run's document masking the same export computes another loss, and says so
-    assert main(["eval", str(tmp_path / f"hf-{packing}"), data[0], "--no-progress"]) == 0
+    assert main(["eval", str(tmp_path / f"hf-{packing}"), data[0], "--no-progress", "--batch-size", "64"]) == 0
     out = capsys.readouterr().out
     assert "document masking off" in out and f"val_loss {whole['val_loss']:.4f}" not in out
 

@@ -74,7 +74,7 @@ def test_the_run_trains_on_the_answers_under_zero3(sft):
     assert all(0 < r["target_tokens"] < 8 * 64 for r in steps)  # answers only: fewer than every token
     # tokens and tokens/s (and MFU, a multiple of tokens/s) count every token computed, not the targets
     assert [r["tokens"] for r in steps] == [r["step"] * 8 * 64 for r in steps]
-    assert all(r["tokens_per_s"] * r["wall_step_s"] == pytest.approx(8 * 64) for r in steps)
+    assert all(r["tokens_per_s"] * r["max_step_time_s"] == pytest.approx(8 * 64) for r in steps)
     assert np.isfinite(steps[-1]["val_loss"])
     config = (root / "run" / "config.yaml").read_text()
     assert "name: zero3" in config and "packing: true" in config

@@ -19,8 +19,10 @@ class Checkpointer:
     """Saving, retention, `latest` and the run's time spent saving, for one strategy in one out_dir."""
 
     def __init__(self, strategy, out_dir: str | Path, meta: dict, every: int, keep_last: int, max_steps: int,
-                 async_save: bool = False):
+                 async_save: bool = False, enabled: bool = True):
         self.strategy, self.out_dir, self.meta = strategy, Path(out_dir), meta
+        self.enabled = enabled
+        """checkpoint.enabled: false saves nothing, not even at the end or on preemption."""
         self.every, self.keep_last, self.max_steps = every, keep_last, max_steps
         self.background = None
         """The background saves (checkpoint.async_save; collective to build: a gloo group of its own)."""
@@ -44,6 +46,8 @@ class Checkpointer:
 
     def saves_after(self, step: int) -> bool:
         """Whether the loop will save after step `step`, by the schedule alone (no collective)."""
+        if not self.enabled:
+            return False
         return step == self.max_steps or bool(self.every and step % self.every == 0)
 
     @property

@@ -269,6 +269,11 @@ class StrategyConfig:
 
 @dataclass
 class CheckpointConfig:
+    enabled: bool = True
+    """false: the run writes no checkpoint at all, not even at the end (benchmarks, smoke tests), and says
+    so in its first lines; a SIGTERM/SIGUSR1/Ctrl-C then stops it after the step without saving. Refused
+    with what would need one: checkpoint.async_save, train.preempt_grace_s set (a preemption save asked
+    for) or torchrun restarts (--max-restarts)."""
     every: int = 50
     """Save every this many optimizer steps (and always at the end); 0 saves only at the end."""
     keep_last: int = 3

@@ -33,6 +33,7 @@ def validate(cfg: Config) -> None:
     check_train(cfg.train)
     check_strategy(cfg.strategy)
     check_checkpoint(cfg.checkpoint)
+    check_no_checkpoint(cfg)
 
 
 def check_model(m: ModelConfig) -> None:
@@ -159,6 +160,19 @@ def check_strategy(s: StrategyConfig) -> None:
                   hint="1 turns hpZ off, 0 takes the ranks of one node")
     if refusal := zeropp_refusal(s, s.name):
         raise ConfigError(refusal)
+
+
+def check_no_checkpoint(cfg: Config) -> None:
+    """checkpoint.enabled=false with a setting that asks for a checkpoint: the run would lose what the
+    user expects saved, so it is refused (the torchrun restarts are checked at launch: preflight)."""
+    if cfg.checkpoint.enabled:
+        return
+    if cfg.checkpoint.async_save:
+        raise ConfigError("checkpoint.enabled=false writes no checkpoint, but checkpoint.async_save=true asks for "
+                          "background saves; remove one of the two")
+    if cfg.train.preempt_grace_s != TrainConfig.preempt_grace_s:
+        raise ConfigError(f"checkpoint.enabled=false writes no checkpoint, but train.preempt_grace_s="
+                          f"{cfg.train.preempt_grace_s:g} asks for a save on preemption; remove one of the two")
 
 
 def check_checkpoint(c: CheckpointConfig) -> None:

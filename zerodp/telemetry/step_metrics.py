@@ -77,11 +77,16 @@ class Throughput:
     """Turns a step's per-rank figures into its metrics.jsonl record: tokens/s (all ranks and per
     device) and, where the device's peak is known, MFU: the model's FLOPs per token
     (`zerodp.models.flops_per_token`: 6 per multiplying parameter plus attention) times tokens/s per
-    device, over the peak. Both come from the wall time per step (`wall_step_s`): the slowest rank's
-    wall-clock seconds of the interval between two sync points over its steps, which counts everything
-    between the steps too (the wait for data, the loop's host work, logging, the exchange at the sync
-    point) but not evaluations and checkpoint saves; the tokens are the whole global batch.
-    `step_time_s` stays the rank's own step (forward, backward, optimizer) plus its data wait."""
+    device, over the peak. Both come from that step's own time, the slowest rank's `max_step_time_s`
+    (its forward, backward and optimizer, CUDA events on a GPU, plus its wait for data), so a slow first
+    step (compilation, allocator growth) stays in its own row. `wall_step_s` is the interval's wall time
+    per step (from one sync point to the next over its steps, the host's time between the steps
+    included, evaluations and saves not); the tokens are the whole global batch. The run's summary
+    leaves the first WARMUP_STEPS steps of a launch out and says which steps it covers."""
+
+    WARMUP_STEPS = 2
+    """Steps at the start of each launch left out of the summary and the console's medians (where more
+    steps follow): the first compiles, tunes kernels and grows the allocator; the second still settles."""
 
     def __init__(self, cfg: Config, rank: int, world_size: int, flops_per_token: int, peak: float | None,
                  tokens: int = 0):
@@ -89,6 +94,8 @@ class Throughput:
         self.tokens_per_step = cfg.train.global_batch_size * cfg.model.block_size
         self.tokens = tokens
         """Tokens trained on so far, the resumed run's included."""
+        self.first_step: int | None = None
+        """The first step this launch ran (its warm-up starts there)."""
 
     def rate(self, seconds: float) -> dict:
         tokens_per_s = self.tokens_per_step / seconds
@@ -99,33 +106,60 @@ class Throughput:
 
     def record(self, p: Pending, per_rank: list[list[float]], sync_wait: float) -> dict:
         self.tokens += self.tokens_per_step
+        if self.first_step is None:
+            self.first_step = p.step
         times = [r[1] + r[2] for r in per_rank]
         slowest = max(range(len(times)), key=lambda r: times[r])
         wall = max(r[7] for r in per_rank) or max(times) + sync_wait  # without a wall figure: the steps' own
         return {
             "step": p.step, "loss": sum(r[0] for r in per_rank) / len(per_rank), "lr": p.lr,
-            "grad_norm": per_rank[self.rank][3], "tokens": self.tokens, **self.rate(wall), "wall_step_s": wall,
+            "grad_norm": per_rank[self.rank][3], "tokens": self.tokens, **self.rate(times[slowest]),
+            "wall_step_s": wall,
             "step_time_s": times[self.rank], "max_step_time_s": times[slowest], "slowest_rank": slowest,
             "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
             **({"target_tokens": p.targets} if p.targets is not None else {}),
         }
 
-    def summary(self, records: list[dict], straggler_wait_s: float, save_s: float) -> dict:
-        """The run's figures: at the median step (of the job: the slowest rank's wall time per step),
-        and the seconds the job waited for data, for stragglers and for checkpoint saves."""
+    def measured(self, records: list[dict]) -> tuple[list[dict], str]:
+        """Of `records` (this launch's, in step order), those a median should cover: without the
+        launch's first WARMUP_STEPS steps where others remain; and the words that say which steps they
+        are ("steps 3-12, warm-up steps 1-2 left out", or "step 1, a warm-up step")."""
         if not records:
+            return [], ""
+        warm = self.first_step + self.WARMUP_STEPS if self.first_step is not None else records[0]["step"]
+        kept = [r for r in records if r["step"] >= warm] or records
+        left = [r["step"] for r in records if r not in kept]
+        what = _steps(kept[0]["step"], kept[-1]["step"])
+        if left:
+            what += f", warm-up {_steps(left[0], left[-1])} left out"
+        elif kept[0]["step"] < warm:
+            what += " (warm-up, all there is)"
+        return kept, what
+
+    def summary(self, records: list[dict], straggler_wait_s: float, save_s: float) -> dict:
+        """The run's figures: at the median step after the warm-up (Throughput.measured; each step's own
+        time, the slowest rank's), the median wall time per step over the same steps, and the seconds
+        the job waited for data, for stragglers and for checkpoint saves."""
+        kept, what = self.measured(records)
+        if not kept:
             return {}
-        step_s = statistics.median(self.tokens_per_step / r["tokens_per_s"] for r in records)
-        return {"steps": len(records), "median_step_s": step_s, **self.rate(step_s),
+        step_s = statistics.median(r["max_step_time_s"] for r in kept)
+        return {"steps": len(records), "measured_steps": what, "median_step_s": step_s, **self.rate(step_s),
+                "median_wall_step_s": statistics.median(r["wall_step_s"] for r in kept),
                 "data_wait_s": sum(r["data_wait_s"] for r in records), "straggler_wait_s": straggler_wait_s,
                 "checkpoint_save_s": save_s}
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def describe_run(run: dict) -> str:
     """The run summary line."""
     mfu = f", MFU {run['mfu']:.1%}" if "mfu" in run else ""
-    return (f"run: {run['steps']} steps, median step {run['median_step_s']:.3f}s, "
-            f"{run['tokens_per_s']:,.0f} tokens/s ({run['tokens_per_s_per_device']:,.0f} per device){mfu}; "
+    return (f"run: {run['steps']} steps; {run['measured_steps']}: median step {run['median_step_s']:.3f}s, "
+            f"{run['tokens_per_s']:,.0f} tokens/s ({run['tokens_per_s_per_device']:,.0f} per device){mfu}, "
+            f"wall {run['median_wall_step_s']:.3f}s a step with the time between steps; "
             f"waited {run['data_wait_s']:.1f}s for data, {run['straggler_wait_s']:.1f}s for stragglers, "
             f"{run['checkpoint_save_s']:.1f}s for checkpoint saves")
 

@@ -202,7 +202,7 @@ def set_up(cfg: Config, env: DistEnv, grad_accum: int):
     strategy.setup(model, ctx)
     c = cfg.checkpoint
     return strategy, Checkpointer(strategy, cfg.train.out_dir, meta, c.every, c.keep_last, cfg.train.max_steps,
-                                  c.async_save)
+                                  c.async_save, c.enabled)
 
 
 def announce(cfg: Config, env: DistEnv, ready: Ready) -> PlanCheck:
@@ -211,6 +211,9 @@ def announce(cfg: Config, env: DistEnv, ready: Ready) -> PlanCheck:
              f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
              f"world {env.world_size} x accum {ready.grad_accum}")
     log(env, ready.start.why)
+    if not cfg.checkpoint.enabled:
+        log(env, "checkpoint.enabled=false: this run writes no checkpoint, not even at the end; a preemption "
+                 "stops it without saving")
     plan_check = PlanCheck(cfg, env.world_size, *device_memory(env.device, env.local_world_size))
     log(env, plan_check.prediction())
     return plan_check
@@ -271,7 +274,7 @@ class Steps:
                 continue
             stop = self._sync_point(pending, step_comm, evaluate_now, t_end, val_data)
             pending = []
-            if stop or save_now:
+            if (stop and self.checkpointer.enabled) or save_now:
                 t_save = time.perf_counter()
                 position = self.train_data.position(done, cfg.train.global_batch_size)  # samples consumed
                 self.checkpointer.save(done, {**self.records.trainer_state(done), "samples": position,
@@ -281,7 +284,9 @@ class Steps:
             if stop:
                 self.ctrl_c = stop == Preemption.CTRL_C
                 what = "Ctrl-C" if self.ctrl_c else "preempted"
-                log(env, f"{what}: stopped after step {done}, checkpoint saved; run the same command again to continue")
+                saved = ("checkpoint saved; run the same command again to continue" if self.checkpointer.enabled
+                         else "no checkpoint saved (checkpoint.enabled=false)")
+                log(env, f"{what}: stopped after step {done}, {saved}")
                 self.stopped_early = True
                 break
             t_end = time.perf_counter()

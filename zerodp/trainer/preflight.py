@@ -94,6 +94,11 @@ def check_settings(cfg: Config, world_size: int) -> int:
 
     grad_accum = cfg.check_batch_split(world_size)
     check_config(cfg, world_size, grad_accum)
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if not cfg.checkpoint.enabled and restarts not in ("", "0"):
+        raise UserError(f"checkpoint.enabled=false writes no checkpoint, but torchrun restarts failed workers "
+                        f"(--max-restarts={restarts}) and a restart resumes from one; drop --max-restarts or "
+                        f"enable checkpoints")
     return grad_accum
 
 

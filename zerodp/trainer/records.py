@@ -46,6 +46,8 @@ class Records:
         self.bar = _progress(cfg, env, start)
         self.losses: dict[int, float] = {}
         self.records: list[dict] = []
+        self._since_line: list[dict] = []
+        """Records since the last console line (train.progress=false), for its median."""
 
     def measure(self, p: Pending, per_rank: list[list[float]], sync_wait: float, comm: dict) -> dict:
         """The record of pending step `p` from its per-rank figures (rows of the loop's all-gather) and
@@ -112,11 +114,16 @@ class Records:
                             tok_s=f"{record['tokens_per_s']:,.0f}", **epoch, **mfu)
             bar.update(1)
         step = record["step"]
+        self._since_line.append(record)
         if bar is None and (step % cfg.train.log_every == 0 or step == cfg.train.max_steps):
-            mfu = f", MFU {record['mfu']:.1%}" if "mfu" in record else ""
+            # the median of the steps since the last line, each step's own figures, without the warm-up
+            kept, what = self.throughput.measured(self._since_line)
+            self._since_line = []
+            rate = statistics.median(r["tokens_per_s"] for r in kept)
+            mfu = f", MFU {statistics.median(r['mfu'] for r in kept):.1%}" if "mfu" in record else ""
             epoch = f", epoch {record['epoch']:.2f}" if "epoch" in record else ""
             log(env, f"step {step}/{cfg.train.max_steps}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
-                     f"grad_norm {record['grad_norm']:.3f}, {record['tokens_per_s']:,.0f} tokens/s{epoch}{mfu}")
+                     f"grad_norm {record['grad_norm']:.3f}{epoch}, {rate:,.0f} tokens/s{mfu} (median of {what})")
         if "val_loss" in record:
             each = ", ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in record.items()
                              if k.startswith("val_loss/"))

@@ -319,8 +319,10 @@ def run_eval(args) -> int:
         if recorded and prepared is not None and used != recorded:
             raise UserError(f"{primary_source(cfg.data)} was prepared with another tokenizer than the one {args.path} "
                             f"was trained with (sha256 differs); evaluate on data prepared with the run's tokenizer")
-        # A run (or an export of its config) has a validation set; a Hugging Face folder records none.
-        whole = args.all or args.max_tokens is not None or not _run_config(source).get("train")
+        # A run has a validation set (its train section's eval_batches); a Hugging Face folder, or an export
+        # that records only the model and its generation seed, has none.
+        recorded_train = _run_config(source).get("train") or {}
+        whole = args.all or args.max_tokens is not None or "eval_batches" not in recorded_train
         tokens = load_tokens(cfg)
         _check_val_length(tokens, cfg)
         # eval reads the val split whatever train.eval_every was (TokenBatches would read train for a short one)

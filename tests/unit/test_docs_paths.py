@@ -68,3 +68,15 @@ def test_every_module_named_exists(doc):
 def test_the_check_finds_what_is_gone():
     assert not (ROOT / "zerodp/launcher.py").exists() and not resolves("zerodp.planner.estimate_for_run")
     assert resolves("zerodp.distributed.launcher") and resolves("zerodp.planner.training.estimate_for_run")
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="needs a git checkout")
+def test_what_the_readmes_commands_write_is_ignored_by_git():
+    import subprocess
+
+    written = ["runs/tiny/metrics.jsonl", "tok.json", "data/stdlib/train.bin", "export/model.safetensors",
+               "hf-llama/config.json"]
+    source = ["zerodp/data/batches.py", "configs/tiny.yaml"]
+    r = subprocess.run(["git", "check-ignore", "--no-index", *written, *source], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.stdout.split() == written, r.stdout

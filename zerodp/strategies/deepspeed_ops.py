@@ -27,32 +27,21 @@ EXTENSIONS_VAR = "TORCH_EXTENSIONS_DIR"
 
 def extensions_root(environ=os.environ) -> Path:
     """The folder torch builds extensions in (torch.utils.cpp_extension._get_build_directory): the
-    user's TORCH_EXTENSIONS_DIR, else this environment's (see `use_environment_dir`), else torch's
-    per-user default."""
+    user's TORCH_EXTENSIONS_DIR, else this environment's, <sys.prefix>/torch_extensions/<python>_<torch
+    build> (a venv's or conda environment's prefix, which its owner can write), else, for a system
+    Python, torch's per-user default with the same sub-folder."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
     if environ.get(EXTENSIONS_VAR):
         return Path(environ[EXTENSIONS_VAR])
-    own = _environment_root()
-    if own is not None:
-        return own
-    # torch's own layout: one folder per Python version and torch build, under the per-user root
+    # torch's own layout: one folder per Python version and torch build
     kind = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
             f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
-    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return Path(get_default_build_root()) / f"{python}_{kind}"
-
-
-def _environment_root() -> Path | None:
-    """<sys.prefix>/torch_extensions/<python>_<torch build> where the environment's prefix can be
-    written (a venv or conda environment of the user's); None for a system Python."""
-    import torch
-
-    if not os.access(sys.prefix, os.W_OK):
-        return None
-    kind = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-    return Path(sys.prefix) / "torch_extensions" / f"py{sys.version_info.major}{sys.version_info.minor}_{kind}"
+    build = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{kind}"
+    if os.access(sys.prefix, os.W_OK):
+        return Path(sys.prefix) / "torch_extensions" / build
+    return Path(get_default_build_root()) / build
 
 
 def use_environment_dir() -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +75,21 @@ def test_dry_run_prints_resolved_config(tmp_path):
     r = zerodp("train", ROOT / "configs/tiny.yaml", "--dry-run", "train.max_steps=9")
     assert r.returncode == 0, r.stderr
     assert "max_steps: 9" in r.stdout and "grad_accum_steps 2" in r.stdout
+
+
+def test_zero_without_a_cpp_compiler_is_one_line_before_anything_is_written(tmp_path):
+    """DeepSpeed compiles its shared-memory op at a zero launch on the CPU. Before: no compiler meant
+    ninja's failure and a 68-157-line traceback (exit 1), after the run folder was made."""
+    out = tmp_path / "run"
+    env = base_env(1)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "CXX"):
+        env.pop(k, None)
+    # this environment's python and ninja, no compiler; an extensions folder where nothing is built yet
+    env.update(PATH=str(Path(sys.executable).parent), TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    r = subprocess.run([sys.executable, "-m", "zerodp", "train", ROOT / "configs/tiny.yaml", "strategy.name=zero1",
+                        "model.n_layer=1", "model.block_size=16", "data.max_bytes=20000", "train.progress=false",
+                        f"train.out_dir={out}"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    one_line_error(r, r"^zerodp: error: strategy.name=zero1: DeepSpeed compiles its C\+\+ op deepspeed_shm_comm at "
+                      r"the first launch and there is no C\+\+ compiler \(no c\+\+ on PATH\); install one "
+                      r"\(apt-get install g\+\+")
+    assert not out.exists()

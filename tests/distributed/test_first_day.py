@@ -422,3 +422,44 @@ def test_pyproject_uses_no_deprecated_setuptools_form():
     deprecations = [str(w.message).splitlines()[0] for w in caught if "Deprecat" in w.category.__name__]
     assert deprecations == []
     assert dist.metadata.license_expression == "Apache-2.0"
+
+
+def test_a_straggler_is_said_once_and_its_spells_counted_at_the_end():
+    """Issue 38 item 17: a shared machine slows ranks on and off all run long (7-11 straggler lines a run):
+    each slow spell is in the step's record, a rank's first one alone gets a line, at most LINES ranks,
+    and the end of the run counts them."""
+    from zerodp.resilience.stragglers import StragglerMonitor
+
+    monitor = StragglerMonitor(["a", "b"], margin=0.2, patience=2)
+    found, said = [], []
+    for _ in range(4):  # four slow spells of rank 1, each followed by a recovery
+        for times in ([0.1, 0.15], [0.1, 0.15], [0.1, 0.1]):
+            f = monitor.update(times, [0.0, 0.0])
+            found += f
+            said += monitor.worth_a_line(f)
+    assert len(found) == 4 and len(said) == 1 and said[0]["rank"] == 1
+    assert monitor.summary(["a", "b"]) == "rank 1 on b (slow compute, 4 slow spells)"
+    many = StragglerMonitor([f"h{i}" for i in range(8)], margin=0.2, patience=1)
+    f = many.update([0.1] * 4 + [0.2] * 4, [0.0] * 8)  # 4 of 8 ranks slow at once
+    assert len(f) == 4 and len(many.worth_a_line(f)) == StragglerMonitor.LINES
+
+
+def test_a_log_gets_step_lines_not_a_bar_and_a_few_epoch_lines(tmp_path):
+    """Issue 38 item 17: with stderr a file, not a terminal, the progress bar's redraws filled a log (566
+    refreshes); now the steps are lines every train.log_every steps. A small data set ends an epoch every
+    few steps (61 lines in a 150-step fine-tune): the first EPOCH_LINES are said, the rest counted once."""
+    from zerodp.trainer.loop import Steps
+
+    text = tmp_path / "text.txt"
+    text.write_bytes(bytes(97 + (i * 7919) % 26 if i % 50 else 10 for i in range(1500)))
+    r = zerodp("train", ROOT / "configs/tiny.yaml", "strategy.name=single", "model.n_layer=1", "model.n_embd=16",
+               "model.block_size=16", f"data.source={text}", "train.global_batch_size=32", "train.micro_batch_size=32",
+               "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=0", "train.max_steps=12",
+               "train.log_every=6", f"train.out_dir={tmp_path / 'run'}")  # train.progress: true, the default
+    assert r.returncode == 0, r.stderr
+    assert "\r" not in r.stderr and "train: " not in r.stderr, r.stderr
+    assert re.findall(r"zerodp: step (\d+)/12: loss", r.stderr) == ["6", "12"], r.stderr
+    said = re.findall(r"zerodp: epoch (\d+) of the training data \([\d,]+ samples\) ended in step", r.stderr)
+    assert said == [str(e) for e in range(1, Steps.EPOCH_LINES + 1)], r.stderr
+    assert re.search(r"zerodp: \d+ more epoch\(s\) of the training data ended, the last \(epoch \d+\) in step 1[12]",
+                     r.stderr), r.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -83,10 +84,36 @@ def test_bad_override_under_local_sh_is_zerodps_one_line_and_exit_2():
     assert r.stdout == "local.sh: 2 process(es) on the CPU\n"
 
 
-def test_ctrl_c_under_local_sh_saves_and_exits_130_without_a_traceback(tmp_path):
-    """Before: both ranks saved and said so, then torchrun's SignalException traceback, exit 1."""
+# -- the README's launch on several processes: what a user types ---------------------------------------------------
+
+def readme_launch() -> list[str]:
+    """The words of the README's launch of configs/tiny.yaml on several processes (its Train section);
+    every other launch the README shows with --nproc-per-node starts the same way."""
+    from tests.distributed.test_readme import README, commands
+
+    launches = [shlex.split(c.shell) for c in commands(README.read_text(encoding="utf-8"))
+                if "--nproc-per-node" in c.shell]
+    runnable = [w for w in launches if "configs/tiny.yaml" in w and not any("..." in x for x in w)]
+    assert runnable, "README.md shows no launch of configs/tiny.yaml with --nproc-per-node"
+    launcher_words = runnable[0][:runnable[0].index("--nproc-per-node")]
+    assert all(w[:len(launcher_words)] == launcher_words for w in launches), launches
+    return runnable[0]
+
+
+def test_bad_override_under_the_readmes_launch_is_zerodps_one_line_and_exit_2():
+    """Before (plain torchrun): the line, then torchrun's log lines and ChildFailedError traceback, exit 1."""
+    r = subprocess.run([*readme_launch(), "train.max_stepz=3"], env=launch_env(), cwd=ROOT, capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.splitlines() == ["zerodp: error: unknown key 'train.max_stepz' in configs/tiny.yaml (with "
+                                     "overrides); did you mean 'train.max_steps'?"], r.stderr
+
+
+def test_ctrl_c_under_the_readmes_launch_saves_and_exits_130_without_a_traceback(tmp_path):
+    """Before (plain torchrun): both ranks saved and said so, then torchrun's SignalException traceback,
+    exit 1. launchers/local.sh runs the same launcher (its bad input: above)."""
     out = tmp_path / "run"
-    proc = start(["launchers/local.sh", "configs/tiny.yaml", *SMALL, f"train.out_dir={out}", "train.max_steps=100000"])
+    proc = start([*readme_launch(), *SMALL, f"train.out_dir={out}", "train.max_steps=100000"])
     wait_for_step(proc, out)
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
     _, err = finish(proc)

@@ -131,6 +131,7 @@ def test_a_run_that_starts_over_moves_the_whole_earlier_run_aside(tmp_path, how)
     r = train(run, "train.max_steps=1", *([how] if how != "--fresh" else []), fresh=how == "--fresh")
     (aside,) = run.glob("earlier-*")
     assert f"moved the earlier run (checkpoints, metrics.jsonl, config.yaml) to {aside}" in r.stderr
+    assert r.stderr.count("earlier run") == 1 and "<date>" not in r.stderr, r.stderr  # said once, where it went
     for name, data in before.items():
         assert (aside / name).read_bytes() == data  # the earlier history, byte for byte
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]

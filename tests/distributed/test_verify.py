@@ -40,6 +40,9 @@ def test_ddp_against_every_sharding_strategy_passes(verified, case):
     assert got["code"] == 0 and rank1[case]["code"] == 0, got["stdout"]
     assert "PASS: 3 steps and" in got["stdout"], got["stdout"]
     assert "fp32: the equivalence suite's 1e-5" in got["stdout"]
+    # the two trainings' own lines are not the command's: only verify's (before: both runs' whole logs)
+    assert [line.split(" steps ")[0] for line in got["stderr"].splitlines()] == [
+        "zerodp verify: training 3", "zerodp verify: training 3"], got["stderr"]
     left = list((tmp / case.replace(" ", "-")).iterdir())
     if case != KEEP:
         assert left == [], "verify left its runs behind"
@@ -47,6 +50,7 @@ def test_ddp_against_every_sharding_strategy_passes(verified, case):
     [kept] = left
     assert f"both runs kept in {kept} (a: as written, b: against)" in got["stdout"], got["stdout"]
     assert all((kept / run / "checkpoints" / "latest").is_file() for run in "ab"), sorted(kept.rglob("*"))
+    assert "zerodp: strategy ddp on 2 process(es)" in (kept / "a.log").read_text()  # kept with the runs
 
 
 @pytest.mark.parametrize("case, first", [("gpt2 seed", 1), ("gpt2 lr", 2)])

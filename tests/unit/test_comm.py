@@ -14,8 +14,12 @@ from zerodp.telemetry.comm import CommMeter, StepComm
 
 
 @pytest.mark.filterwarnings("ignore:`torch.distributed.*` is deprecated:FutureWarning")
-def test_each_kind_counted_once_with_its_full_size(group):
-    """all_gather_into_tensor and reduce_scatter_tensor, DeepSpeed's names, forward to torch's newer ones."""
+def test_each_kind_counted_once_with_its_full_size(group, monkeypatch):
+    """all_gather_into_tensor and reduce_scatter_tensor, DeepSpeed's names, forward to torch's newer ones.
+    The group is taken for one of 2 ranks (this process has one): a group of one sends nothing, below."""
+    from zerodp.telemetry import comm
+
+    monkeypatch.setattr(comm, "_group_size", lambda group: 2)
     meter = CommMeter(True)
     originals = (dist.all_reduce, c10d.all_gather_single, dist.reduce_scatter_tensor)
     x = torch.ones(10)  # 40 bytes
@@ -29,8 +33,8 @@ def test_each_kind_counted_once_with_its_full_size(group):
     dist.all_reduce(x)  # after: not counted
     assert meter.record() == {"comm_bytes": {"all_reduce": 46, "all_gather": 40, "reduce_scatter": 40,
                                              "broadcast": 32, "total": 158},
-                              "comm_bus_bytes": {"all_reduce": 0, "all_gather": 0, "reduce_scatter": 0,
-                                                 "broadcast": 0, "total": 0}}  # a ring of one sends nothing
+                              "comm_bus_bytes": {"all_reduce": 46, "all_gather": 20, "reduce_scatter": 20,
+                                                 "broadcast": 16, "total": 102}}  # (N-1)/N, all-reduce twice
     assert meter.last.calls == {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
     assert (dist.all_reduce, c10d.all_gather_single, dist.reduce_scatter_tensor) == originals
     with meter.step():
@@ -49,6 +53,15 @@ def test_ring_bytes_per_rank():
     assert step.total == 1200 and step.bus_total == 950
 
 
+def test_a_group_of_one_counts_nothing(group):
+    """Issue 38 item 18: zero2 on one process all-reduces over its one rank; metrics.jsonl counted 277,512
+    bytes a step while the run's summary said 0 sent. Nothing leaves the rank: both say 0."""
+    meter = CommMeter(True)
+    with meter.step():
+        dist.all_reduce(torch.ones(10))
+    assert meter.record() == {"comm_bytes": {"total": 0}, "comm_bus_bytes": {"total": 0}}
+
+
 def test_switched_off_counts_nothing(group):
     meter = CommMeter(False)
     with meter.step():
@@ -56,10 +69,14 @@ def test_switched_off_counts_nothing(group):
     assert meter.record() == {} and meter.summary() is None
 
 
-def test_ddp_buckets_counted_through_the_comm_hook(group, tiny):
+def test_ddp_buckets_counted_through_the_comm_hook(group, tiny, monkeypatch):
     """DDP's reducer all-reduces in C++; with train.measure_comm the strategy's hook makes it visible:
-    every fp32 gradient once per step, and the update is the one without the hook."""
+    every fp32 gradient once per step, and the update is the one without the hook (the group taken for
+    one of 2 ranks, as above)."""
     from zerodp.config import load_config
+    from zerodp.telemetry import comm
+
+    monkeypatch.setattr(comm, "_group_size", lambda group: 2)
     from zerodp.models import build_model, param_count
     from zerodp.strategies import RunContext, make_strategy
     from zerodp.trainer.loop import train_step

@@ -45,6 +45,9 @@ def test_yaml_exponent_without_dot_is_a_float(tmp_path):
     ("strategy:\n  name: zero4\n",
      r"strategy.name='zero4' is not one of single \| ddp \| zero1 \| zero2 \| zero3 \| fsdp \| auto; "
      r"did you mean 'zero3'\?"),
+    ("strategy:\n  name: FSDP\n", r"strategy.name='FSDP' is not one of .*; did you mean 'fsdp'\?$"),  # any case
+    ("train:\n  precision: BF16\n", r"train.precision='BF16' is not one of fp32 \| bf16 \| fp16; did you mean "
+                                      r"'bf16'\?"),
     ("train:\n  precision: fp8\n", r"train.precision='fp8' is not one of fp32 \| bf16 \| fp16"),
     ("train:\n  deterministic: maybe\n", r"train.deterministic in .*c.yaml must be true or false, got 'maybe'"),
     ("train:\n  global_batch_size: 10\n  micro_batch_size: 4\n",

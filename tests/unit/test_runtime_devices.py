@@ -72,3 +72,42 @@ def test_unusable_gpu_names_the_versions_and_the_fix():
 @pytest.mark.parametrize("smi", [None, "", "NVIDIA-SMI has failed because it couldn't communicate with the driver"])
 def test_no_line_without_a_working_gpu(smi):
     assert unusable_gpu(smi, "2.13.0+cpu", None) is None
+
+
+def test_cpu_quota_read_from_cgroup_v2_and_v1(tmp_path):
+    from zerodp.distributed.devices import cpu_quota
+
+    v2, v1, free = tmp_path / "v2", tmp_path / "v1", tmp_path / "free"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")  # docker --cpus=1.5
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    free.mkdir()
+    (free / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(str(v2)) == 1.5 and cpu_quota(str(v1)) == 2.0
+    assert cpu_quota(str(free)) is None and cpu_quota(str(tmp_path / "none")) is None
+
+
+def test_single_process_commands_size_their_threads_to_their_cpus(monkeypatch):
+    """Issue 38 item 19: `zerodp eval` and `generate` size torch's threads as a training rank does: the CPUs
+    they may use over the local processes, never more; OMP_NUM_THREADS set by the user wins."""
+    import os
+
+    import torch
+
+    from zerodp.distributed.devices import affinity, cpu_quota, size_threads
+
+    quota = cpu_quota()
+    mine = min(len(affinity()), max(1, int(quota))) if quota else len(affinity())
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(64)  # what torch may pick on a big host where this process has fewer CPUs
+        assert size_threads({}) == mine == torch.get_num_threads()
+        assert size_threads({}, local_processes=len(affinity()) * 2) == 1  # never below one
+        torch.set_num_threads(64)
+        assert size_threads({"OMP_NUM_THREADS": "3"}) is None and torch.get_num_threads() == 64
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # taskset -c 0
+        assert size_threads({}) == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

@@ -183,8 +183,13 @@ def text_of(source, run_cfg: dict, tokenizer: str | None) -> Text:
 # -- the model ---------------------------------------------------------------------------------------
 
 def _device(name: str | None):
+    """The device a command computes on (a GPU when one is visible, unless --device says); torch's CPU
+    threads sized to the CPUs this process may use first (zerodp.distributed.devices.size_threads)."""
     import torch
 
+    from zerodp.distributed.devices import size_threads
+
+    size_threads()
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

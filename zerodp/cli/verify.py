@@ -5,7 +5,8 @@ and the same global batches (a function of train.seed and the step), then compar
 tensor by tensor (zerodp.trainer.compare). Exit 0: the same trajectory within the precision's
 tolerance; 1: not (the first differing step and the tensors that differ most named); 2: bad input.
 
-Both runs write into one temporary folder beside train.out_dir, removed at the end (--keep keeps it).
+Both runs write into one temporary folder beside train.out_dir, removed at the end (--keep keeps it), their
+console output into a.log and b.log there (shown on stderr when a run fails).
 On one process, or under a launcher that started this command (torchrun, deepspeed), both runs train
 one after another in this command's processes. With --nproc N, or `nproc=M` among the --against
 pairs (another world size), each run is launched as its own `zerodp train`: under torchrun
@@ -130,7 +131,7 @@ def _verify(args) -> int:
                           file=sys.stderr)
                     return 2 if code == 2 else 1
             else:
-                _in_process(args.config, overrides)
+                _in_process(args.config, overrides, work / f"{name}.log" if rank0 else None)
         code = 0
         if rank0:
             from zerodp.trainer.compare import compare_runs, tolerance_for
@@ -169,11 +170,24 @@ def _work_folder(out_dir: Path, rank0: bool) -> Path:
     return work
 
 
-def _in_process(config: str, overrides: list[str]) -> None:
+def _in_process(config: str, overrides: list[str], log: Path | None) -> None:
+    """One run in this process, its console output kept out of the verdict's way: written to `log`
+    (None: dropped) when it trains, shown on stderr when it fails."""
+    import contextlib
+    import io
+
     from zerodp.config import load_config
     from zerodp.trainer.loop import train
 
-    train(load_config(config, overrides), fresh=True)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            train(load_config(config, overrides), fresh=True)
+    except BaseException:
+        sys.stderr.write(out.getvalue())
+        raise
+    if log is not None:
+        log.write_text(out.getvalue())
 
 
 def _launched(config: str, overrides: list[str], nproc: int, log: Path) -> int:

@@ -61,7 +61,9 @@ def _non_negative(key: str, value, hint: str = "") -> None:
 
 def _one_of(key: str, value, allowed) -> None:
     if value not in allowed:
-        close = difflib.get_close_matches(str(value), allowed, n=1)
+        # FSDP, Zero3: the same name in another case first, then a near spelling
+        same = [a for a in allowed if str(a).lower() == str(value).lower()]
+        close = same or difflib.get_close_matches(str(value), allowed, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"{key}={value!r} is not one of {' | '.join(allowed)}{hint}")
 

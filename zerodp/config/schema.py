@@ -181,7 +181,8 @@ class TrainConfig:
     eval_batches: int = 4
     """Micro batches per rank used for one validation."""
     progress: bool = True
-    """Show a live progress bar on rank 0; false prints one line every log_every steps instead."""
+    """Show a live progress bar on rank 0's terminal; false, or stderr not a terminal (a log file), prints one
+    line every log_every steps instead."""
     log_every: int = 10
     """The host-sync interval: loss, grad norm and the per-rank timings stay on the device and are fetched
     (and exchanged between ranks, with any preemption request) once every this many steps, and at every

@@ -109,6 +109,43 @@ def affinity() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """The CPUs' worth of time this process's cgroup may use (a container's --cpus: cgroup v2 cpu.max,
+    v1 cpu.cfs_quota_us over cpu.cfs_period_us), or None without a limit. The affinity mask does not
+    show it: a container limited to 2 CPUs of a 64-core host sees 64 there."""
+    for quota_file, period_file in (("cpu.max", None), ("cpu/cpu.cfs_quota_us", "cpu/cpu.cfs_period_us")):
+        try:
+            words = open(os.path.join(root, quota_file)).read().split()
+            if period_file is not None:
+                words.append(open(os.path.join(root, period_file)).read().strip())
+        except (OSError, ValueError):
+            continue
+        if len(words) == 2 and words[0].lstrip("-").isdigit() and words[1].isdigit() and int(words[0]) > 0:
+            return int(words[0]) / int(words[1])
+        return None  # "max" or -1: no limit
+    return None
+
+
+def size_threads(environ: Mapping[str, str] = os.environ, local_processes: int | None = None) -> int | None:
+    """Set torch's intra-op threads to the CPUs this process may use (its affinity mask, within its
+    cgroup's quota) over the local processes of its launch (LOCAL_WORLD_SIZE, else 1), never more;
+    return the count, or None where the user chose OMP_NUM_THREADS. For commands without a launch's
+    process group (zerodp eval, generate); a training rank does the same in init_distributed. More
+    threads than CPUs only contend: `zerodp eval` took 28.1 s where one thread took 7.2 s."""
+    if user_threads(environ):
+        return None
+    import torch
+
+    local = local_processes or int(environ.get("LOCAL_WORLD_SIZE") or 1)
+    cpus = affinity()
+    count = thread_count(cpus, [cpus] * local)
+    quota = cpu_quota()
+    if quota is not None:
+        count = min(count, max(1, int(quota // local)))
+    torch.set_num_threads(count)
+    return count
+
+
 def nvidia_smi() -> str | None:
     """The output of `nvidia-smi` (its header names the driver and the newest CUDA it supports), or None
     where it is not installed or fails (no driver, no GPU)."""

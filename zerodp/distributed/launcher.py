@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         # torchrun sets OMP_NUM_THREADS=1 when it is unset and several ranks share the node: tell the ranks
         # whose choice it was (zerodp.distributed.devices.user_threads), so that they size their threads.
         os.environ[TORCHRUN_OMP_DEFAULT] = "1" if "OMP_NUM_THREADS" in os.environ else "0"
+        # torchrun's own default, without the four-line banner it prints when it sets it: the ranks size
+        # their threads themselves (they were told above that the user did not choose this 1).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         log = AgentLog(folder)
         for name in _AGENT_LOGGERS:
             logging.getLogger(name).addFilter(log)

@@ -99,7 +99,9 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 600) -> DistEnv
     if not devices.user_threads(os.environ):
         # On every device: a GPU run's host work (the CPU optimizer of offload, gloo, the prefetch thread)
         # runs on these threads. Ranks sharing cores share them out: no oversubscription, no lone core.
-        torch.set_num_threads(devices.thread_count(cpus, [c for h, c in placed if h == host]))
+        count = devices.thread_count(cpus, [c for h, c in placed if h == host])
+        quota = devices.cpu_quota()  # a container's CPU limit, shared by its ranks
+        torch.set_num_threads(min(count, max(1, int(quota // hosts.count(host)))) if quota else count)
     return env
 
 

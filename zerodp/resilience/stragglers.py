@@ -23,7 +23,9 @@ class StragglerMonitor:
     """Flags a rank whose step time exceeds the median of the *other* ranks' by `margin` (and by at
     least MIN_EXCESS_S) for `patience` consecutive steps: sustained, not a spike (a busy host's noise
     comes and goes). Each rank is reported once per slow spell, again only after it recovered and
-    slowed down anew.
+    slowed down anew: every spell goes into the step's record, but only a rank's first spell gets a
+    line on the console (`worth_a_line`); the end of the run counts them all (a shared machine slows
+    ranks on and off all run long: 7-11 lines a run otherwise).
 
     The other ranks' median, not all ranks': with two ranks the median of both is their mean, which
     would halve how much slower the slow one looks."""
@@ -39,6 +41,9 @@ class StragglerMonitor:
         """How long the job waited for its slowest rank, summed over steps (max - median)."""
         self.reported: dict[int, str] = {}
         """rank -> cause, for every rank reported during the run."""
+        self.spells: dict[int, int] = {}
+        """rank -> how many slow spells it had."""
+        self.lines = 0
 
     def update(self, compute: list[float], data_wait: list[float]) -> list[dict]:
         """Feed one step's per-rank compute (forward) and data-wait seconds; return the stragglers
@@ -63,7 +68,24 @@ class StragglerMonitor:
             found.append({"rank": r, "host": self.hosts[r], "step_time_s": t, "median_s": others,
                           "slower_by": t / others - 1, "cause": cause})
             self.reported[r] = cause
+            self.spells[r] = self.spells.get(r, 0) + 1
         return found
+
+    LINES = 3
+    """Console lines about stragglers in one run, at most; `summary` names every one."""
+
+    def worth_a_line(self, found: list[dict]) -> list[dict]:
+        """Of the stragglers `update` just confirmed, those to say on the console: a rank's first slow
+        spell, for the first LINES ranks (the rest are counted in `summary`)."""
+        said = [f for f in found if self.spells[f["rank"]] == 1][:max(0, self.LINES - self.lines)]
+        self.lines += len(said)
+        return said
+
+    def summary(self, hosts: list[str]) -> str:
+        """The stragglers of the run, by rank: host, cause, and how many slow spells when more than one."""
+        return ", ".join(f"rank {r} on {hosts[r]} ({cause}" + (f", {self.spells[r]} slow spells)" if self.spells[r] > 1
+                                                                else ")")
+                         for r, cause in sorted(self.reported.items()))
 
 
 class Stopwatch:

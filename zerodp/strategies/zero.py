@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +26,7 @@ from torch import nn
 from zerodp.config import Config
 from zerodp.errors import UserError
 from zerodp.optim import adam_step, adamw, adamw_kwargs, param_groups
-from zerodp.strategies import zero_snapshot
+from zerodp.strategies import deepspeed_ops, zero_snapshot
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (
     FullState,
@@ -77,10 +78,13 @@ class ZeroStrategy:
     def check_config(self, cfg: Config, world_size: int, grad_accum_steps: int) -> None:
         """What setup would refuse (a strategy.deepspeed key contradicting zerodp, offload without
         zero3, ZeRO++ that cannot run or help here), checked without a process group: `zerodp train --dry-run`."""
+        deepspeed_ops.check(self.name, cfg.strategy.offload_optimizer)  # a compiler, where DeepSpeed builds an op
         deepspeed_config(cfg, self.stage, grad_accum_steps, world_size, ranks_per_node())
         check_quantizer(cfg.strategy)
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
+        deepspeed_ops.choose_accelerator()  # before DeepSpeed is imported
+        deepspeed_ops.use_environment_dir()  # before DeepSpeed builds anything
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
@@ -93,6 +97,8 @@ class ZeroStrategy:
         if ctx.cfg.train.precision == "fp16" and not accel.is_fp16_supported():
             raise UserError(f"train.precision=fp16: DeepSpeed's {accel.device_name()} accelerator has no fp16 "
                             f"support; use train.precision=bf16 (or fp32) here, or run {self.name} on GPUs")
+        if ctx.rank == 0 and (line := deepspeed_ops.build_line(ctx.cfg.strategy.offload_optimizer)):
+            print(f"zerodp: {line}", file=sys.stderr, flush=True)  # else 25-70 s of silence
         # DeepSpeed asserts the launcher's variables exist; a plain one-process run has none.
         for var, value in (("LOCAL_RANK", ctx.local_rank), ("RANK", ctx.rank), ("WORLD_SIZE", ctx.world_size)):
             os.environ.setdefault(var, str(value))

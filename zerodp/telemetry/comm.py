@@ -15,10 +15,11 @@ Every engine's collectives are seen, without changing what they send:
 
 Sizes come from numel * element_size: nothing waits for the device. What `bytes` holds per kind is the
 collective's full tensor (the all-reduced tensor, the all-gather's output, the reduce-scatter's input, the
-broadcast tensor), and `bus` the bytes each rank sends in a ring over a group of N ranks: all-reduce
-2(N-1)/N x size, reduce-scatter and all-gather (N-1)/N x size, broadcast and reduce (a pipelined chain:
-every rank but one sends the tensor once) (N-1)/N x size, averaged over the ranks (docs/memory_model.md,
-"Communication per step"). `PlanCheck` holds the planner's prediction for the run beside them.
+broadcast tensor; nothing for a group of one rank, where nothing is sent), and `bus` the bytes each rank
+sends in a ring over a group of N ranks: all-reduce 2(N-1)/N x size, reduce-scatter and all-gather
+(N-1)/N x size, broadcast and reduce (a pipelined chain: every rank but one sends the tensor once)
+(N-1)/N x size, averaged over the ranks (docs/memory_model.md, "Communication per step"). `PlanCheck`
+holds the planner's prediction for the run beside them.
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ class StepComm:
     calls: dict[str, int] = field(default_factory=dict)
 
     def add(self, kind: str, nbytes: int, group_size: int) -> None:
+        if group_size <= 1:  # a collective over one rank moves nothing (zero2 on one process all-reduces)
+            return
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
         self.calls[kind] = self.calls.get(kind, 0) + 1
         bus = BUS_FACTOR[kind] * (group_size - 1) / group_size * nbytes if group_size > 1 else 0

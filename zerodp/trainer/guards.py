@@ -63,17 +63,18 @@ class Guards:
         for f in found:
             if probed:
                 f["measured_by"] = "device probe"
+        for f in self.stragglers.worth_a_line(found):  # every spell is in the records; its first one said
             log(self.env, f"straggler: rank {f['rank']} on {f['host']} is {f['slower_by']:.0%} slower than the "
                           f"other ranks ({f['step_time_s']:.3f}s vs {f['median_s']:.3f}s): {f['cause']}"
-                          + (" (compute estimated from the device probe)" if probed else ""))
+                          + (" (compute estimated from the device probe)" if probed else "")
+                          + "; its later slow spells are counted at the end of the run")
         return found
 
     def report(self) -> None:
         """The time the job waited for its slowest rank, and the stragglers named, at the end of the run."""
         env, stragglers = self.env, self.stragglers
         if stragglers.waited_s > 0 and env.world_size > 1:
-            named = ", ".join(f"rank {r} on {env.hosts[r]} ({cause})"
-                              for r, cause in sorted(stragglers.reported.items()))
+            named = stragglers.summary(env.hosts)
             log(env, f"time spent waiting for the slowest rank: {stragglers.waited_s:.1f}s"
                      + (f"; stragglers: {named}" if named else ""))
 

@@ -236,6 +236,8 @@ class Steps:
         self.held: dict[int, int] = {}
         """What rank 0 holds after the first step (strategy.state_bytes)."""
         self.done = 0
+        self.epoch_ends: list[tuple[str, int, int]] = []
+        """(source, epoch, step) of each epoch that ended in this run."""
         self.stopped_early = self.ctrl_c = False
         self.interval_start = 0.0
         """perf_counter at the start of the steps since the last sync point, less evaluations and saves."""
@@ -290,6 +292,7 @@ class Steps:
                 self.stopped_early = True
                 break
             t_end = time.perf_counter()
+        self._say_epochs_unsaid()
 
     def _sync_point(self, pending: list[Pending], step_comm: dict[int, dict], evaluate_now: bool, t_end: float,
                     val_data: TokenBatches) -> float:
@@ -329,15 +332,31 @@ class Steps:
             return {"epoch": epochs[0]}
         return {"epoch": max(epochs), **{f"epoch/{s.name}": e for s, e in zip(data.streams, epochs)}}
 
+    EPOCH_LINES = 2
+    """Epoch ends said in one run, at most: a small data set ends one every few steps (61 lines in a
+    150-step fine-tune); the rest are counted at the end of the run (`_say_epochs_unsaid`)."""
+
     def _say_epoch_ends(self, done: int) -> None:
-        """One line (rank 0) for each source whose epoch ended within step `done`."""
+        """One line (rank 0) for each source whose epoch ended within step `done`, the first EPOCH_LINES."""
         data, G = self.train_data, self.cfg.train.global_batch_size
         for s, before, after, n in zip(data.streams, data.epochs(done - 1, G), data.epochs(done, G),
                                        data.samples_per_epoch()):
             if int(after) > int(before):
                 what = f"data source {s.name}" if len(data.streams) > 1 else "the training data"
-                log(self.env, f"epoch {int(after)} of {what} ({n:,} samples) ended in step {done}; the next visits "
-                              f"them in a new order")
+                self.epoch_ends.append((what, int(after), done))
+                if len(self.epoch_ends) <= self.EPOCH_LINES:
+                    last = "; later epoch ends are counted at the end of the run" * (
+                        len(self.epoch_ends) == self.EPOCH_LINES)
+                    log(self.env, f"epoch {int(after)} of {what} ({n:,} samples) ended in step {done}; the next "
+                                  f"visits them in a new order{last}")
+
+    def _say_epochs_unsaid(self) -> None:
+        """After the steps: the epoch ends not said, as one line per source."""
+        unsaid = self.epoch_ends[self.EPOCH_LINES:]
+        for what in dict.fromkeys(w for w, _, _ in unsaid):
+            ends = [(e, step) for w, e, step in unsaid if w == what]
+            log(self.env, f"{len(ends)} more epoch(s) of {what} ended, the last (epoch {ends[-1][0]}) in step "
+                          f"{ends[-1][1]}")
 
     def _say_held(self) -> None:
         self.held = self.strategy.state_bytes()

@@ -144,7 +144,9 @@ def _noise_scale(cfg: Config, env: DistEnv, state: dict | None) -> NoiseScale | 
 
 
 def _progress(cfg: Config, env: DistEnv, start: int):
-    if env.rank != 0 or not cfg.train.progress:
+    """The progress bar on rank 0's terminal; None without one (a log file, a pipe: a bar's redraws would
+    fill it), and then the steps are lines every train.log_every steps."""
+    if env.rank != 0 or not cfg.train.progress or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 

@@ -97,8 +97,9 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     if plan.resume_from is None and not restarted:  # a restarted attempt continues its own first attempt
         plan.set_aside = earlier_run(out_dir)
-        if plan.set_aside:
-            plan.why += f"; the earlier run ({', '.join(plan.set_aside)}) is moved aside to {out_dir}/earlier-<date>"
+        if plan.set_aside and not set_aside_damaged:  # a launch says where it moved them, once it has
+            plan.why += (f"; the earlier run ({', '.join(plan.set_aside)}) would be moved aside to "
+                         f"{out_dir}/earlier-<date>")
     if rank != 0:
         return plan
     model_cfg = cfg.to_dict()["model"]

@@ -1,0 +1,128 @@
+"""The C++ ops DeepSpeed compiles at a launch (a JIT build through torch.utils.cpp_extension): where they
+are built, whether they can be, and saying so before the build.
+
+A ZeRO engine on DeepSpeed's CPU accelerator builds its shared-memory collectives (ShareMemCommBuilder,
+`deepspeed_shm_comm`, in deepspeed/comm/torch.py's TorchBackend) the first time, 25-70 s on a few cores;
+`strategy.offload_optimizer` builds DeepSpeedCPUAdam's op (CPUAdamBuilder) on any accelerator. Without a
+C++ compiler that build ends the launch in a long traceback of ninja's; `check` finds it at start-up.
+
+torch keeps the builds in ~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says otherwise, one folder
+for every environment of the user: two environments (their include paths differ) rebuild each other's
+op at every launch, and wait on each other's lock. `use_environment_dir` keeps them per environment,
+under its prefix, unless the user set the variable.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from zerodp.errors import UserError
+
+EXTENSIONS_VAR = "TORCH_EXTENSIONS_DIR"
+
+
+def extensions_root(environ=os.environ) -> Path:
+    """The folder torch builds extensions in (torch.utils.cpp_extension._get_build_directory): the
+    user's TORCH_EXTENSIONS_DIR, else this environment's, <sys.prefix>/torch_extensions/<python>_<torch
+    build> (a venv's or conda environment's prefix, which its owner can write), else, for a system
+    Python, torch's per-user default with the same sub-folder."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if environ.get(EXTENSIONS_VAR):
+        return Path(environ[EXTENSIONS_VAR])
+    # torch's own layout: one folder per Python version and torch build
+    kind = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
+            f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+    build = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_{kind}"
+    if os.access(sys.prefix, os.W_OK):
+        return Path(sys.prefix) / "torch_extensions" / build
+    return Path(get_default_build_root()) / build
+
+
+def use_environment_dir() -> Path:
+    """Set TORCH_EXTENSIONS_DIR to this environment's folder unless the user set it (before DeepSpeed
+    builds anything: torch reads it at each build); return the folder builds go to."""
+    root = extensions_root()
+    os.environ.setdefault(EXTENSIONS_VAR, str(root))
+    return Path(os.environ[EXTENSIONS_VAR])
+
+
+def choose_accelerator() -> None:
+    """DS_ACCELERATOR=cpu where torch sees no CUDA device and the user chose none (before DeepSpeed is
+    imported: it picks its accelerator once): the CPU is where zerodp then trains, and DeepSpeed, left
+    to detect it, falls back to the same with a warning that suggests something is wrong."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def jit_ops(offload_optimizer: bool) -> list[str]:
+    """The names of the ops a ZeRO launch here makes DeepSpeed build at run time: those its accelerator
+    has and DeepSpeed was not installed with (DS_BUILD_OPS=1 builds them at install)."""
+    choose_accelerator()
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+
+    accel = get_accelerator()
+    wanted = (["ShareMemCommBuilder"] if accel.device_name() == "cpu" else []) + (
+        ["CPUAdamBuilder"] if offload_optimizer else [])
+    names = []
+    for cls in wanted:
+        builder = accel.create_op_builder(cls)
+        if builder is None or type(builder).__name__ == "NotImplementedBuilder":
+            continue
+        if installed_ops.get(builder.name, False) and accelerator_name == accel._name:
+            continue  # prebuilt: loaded as it is
+        names.append(builder.name)
+    return names
+
+
+def unbuilt(names: list[str], root: Path) -> list[str]:
+    """Those of `names` with no library in `root` yet: the ones a launch compiles (a library there is
+    loaded, ninja finding it up to date)."""
+    return [n for n in names if not (root / n / f"{n}.so").exists()]
+
+
+def compiler(environ=os.environ) -> str | None:
+    """The C++ compiler torch's build runs (CXX, else c++), or None when it is not found."""
+    cxx = environ.get("CXX") or "c++"
+    words = shlex.split(cxx)
+    return shutil.which(words[0], path=environ.get("PATH")) if words else None
+
+
+def check(strategy: str, offload_optimizer: bool) -> None:
+    """UserError when this launch would make DeepSpeed compile an op and there is no C++ compiler (or
+    no ninja, which torch's build runs) to do it."""
+    missing = unbuilt(jit_ops(offload_optimizer), extensions_root())
+    if not missing:
+        return
+    what = f"strategy.name={strategy}" + (" with strategy.offload_optimizer=true" if offload_optimizer else "")
+    ops = ", ".join(missing)
+    if compiler() is None:
+        cxx = os.environ.get("CXX")
+        found = f"CXX={cxx} is not found" if cxx else "no c++ on PATH"
+        raise UserError(f"{what}: DeepSpeed compiles its C++ op {ops} at the first launch and there is no C++ "
+                        f"compiler ({found}); install one (apt-get install g++, or conda install -c conda-forge "
+                        f"gxx) or set CXX to it, or use strategy.name=ddp or fsdp, which compile nothing")
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        raise UserError(f"{what}: DeepSpeed compiles its C++ op {ops} at the first launch with ninja, which is not "
+                        f"installed; pip install ninja")
+
+
+def build_line(offload_optimizer: bool) -> str | None:
+    """The line to say before DeepSpeed compiles (None when nothing is to be compiled): what, where,
+    that it is once per environment."""
+    root = Path(os.environ.get(EXTENSIONS_VAR) or extensions_root())
+    missing = unbuilt(jit_ops(offload_optimizer), root)
+    if not missing:
+        return None
+    return (f"DeepSpeed compiles its C++ op {', '.join(missing)} (once for this environment; a minute or "
+            f"so) into {root}")

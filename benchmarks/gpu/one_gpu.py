@@ -96,13 +96,18 @@ def _rows_throughput(setup: Setup, rows: list[tuple[str, list[str]]]) -> list[Re
         r = run["run"]
         figures = {"tokens_per_s_per_device": r["tokens_per_s_per_device"], "mfu": r.get("mfu"),
                    "step_s": r["median_step_s"], "steps": r["measured_steps"],
-                   "peak": f"{run['peaks'].get('train', 0) / GIB:.1f} GiB" if not setup.cpu else None}
+                   "peak": f"{(run['peaks'].get('train', 0) - run.get('allocated_before', 0)) / GIB:.1f} GiB"
+                   if not setup.cpu else None}
         results.append(throughput(f"throughput llama-1b {check}", figures, True, plan))
         results.append(host_syncs(f"host syncs {check}", run["syncs"], LOG_EVERY, LOG_EVERY + 1, 2 * LOG_EVERY,
                                   run["sync_where"]))
         if not setup.cpu:
-            results.append(memory_beside_plan(f"memory llama-1b {check}", run["peaks"]["train"],
-                                              e.total_bytes - e.overhead_bytes))
+            # less what earlier runs of the worker left allocated (said when there is any)
+            left = run.get("allocated_before", 0)
+            m = memory_beside_plan(f"memory llama-1b {check}", run["peaks"]["train"] - left,
+                                   e.total_bytes - e.overhead_bytes)
+            results.append(Result(m.check, m.ok, m.detail + (f"; {left / GIB:.2f} GiB left by earlier runs not "
+                                                               f"counted" if left else "")))
     return results
 
 

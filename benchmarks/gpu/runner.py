@@ -189,9 +189,13 @@ def worker(spec_path: str, out_path: str) -> None:
     for run in spec["runs"]:
         peaks.clear()
         saves.clear()
-        if cuda:
+        if cuda:  # what an earlier run of this process left allocated is counted apart (`before`)
+            import gc
+
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
         cfg = load_config(str(ROOT / "configs/tiny.yaml"), run["overrides"])
         counter = SyncCounter(cuda)
         try:
@@ -210,7 +214,8 @@ def worker(spec_path: str, out_path: str) -> None:
                         "weights": {n: t.cpu() for n, t in s.get("weights", {}).items()},
                         "records": [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists()
                         else [], "syncs": counter.counts, "sync_where": counter.where, "run": s.get("run", {}),
-                        "saves": dict(saves), "checkpoint_bytes": _bytes(Path(cfg.train.out_dir) / "checkpoints"),
+                        "saves": dict(saves), "allocated_before": before,
+                        "checkpoint_bytes": _bytes(Path(cfg.train.out_dir) / "checkpoints"),
                         **device_props(cuda)})
         _remove(cfg.train.out_dir, run)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:

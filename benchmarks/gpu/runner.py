@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -63,9 +64,10 @@ def run_spec(overrides: list[str], out: Path, steps: int, fresh: bool = True, **
     return {"overrides": [*overrides, f"train.out_dir={out}", f"train.max_steps={steps}"], "fresh": fresh, **extra}
 
 
-def launch(setup: Setup, runs: list[dict], world: int, timeout: float = 300) -> list[dict]:
-    """The worker on `world` ranks (torchrun when world > 1); per run its results (or {'error': ...} for a
-    run that raised), or RuntimeError with the log's last lines when the worker did not finish."""
+def launch(setup: Setup, runs: list[dict], world: int, timeout: float = 300, env: dict | None = None) -> list[dict]:
+    """The worker on `world` ranks (torchrun when world > 1), with `env` added to its environment; per run
+    its results (or {'error': ...} for a run that raised), or RuntimeError with the log's last lines when
+    the worker did not finish."""
     import torch
 
     stamp = time.monotonic_ns()
@@ -74,7 +76,8 @@ def launch(setup: Setup, runs: list[dict], world: int, timeout: float = 300) -> 
     me = [str(ENTRY), "--worker", str(spec), str(out)]
     cmd = [sys.executable, *me] if world == 1 else [TORCHRUN, "--standalone", f"--nproc-per-node={world}", *me]
     try:
-        r = subprocess.run(cmd, cwd=ROOT, env=setup.env(), capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, cwd=ROOT, env={**setup.env(), **(env or {})}, capture_output=True, text=True,
+                           timeout=timeout)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"no result within {timeout:.0f} s") from None
     if r.returncode != 0 or not out.exists():
@@ -132,9 +135,11 @@ class SyncCounter:
 
 def worker(spec_path: str, out_path: str) -> None:
     """Run each of spec's runs with zerodp.trainer.loop.train in one process group; rank 0 writes per run the
-    losses, metrics.jsonl's records, (weights), (host syncs by step) and on CUDA the allocator's peaks:
-    after strategy.setup, before the end-of-run sample (training and the final save), and over the sample.
-    A run that raises is recorded as {'error': its last line} and the next one runs."""
+    losses, metrics.jsonl's records, (weights), (host syncs by step), the run's summary figures, the
+    seconds each checkpoint save held the loop, by step, and on CUDA the allocator's peaks: after
+    strategy.setup, before the end-of-run sample (training and the final save), and over the sample.
+    A run that raises is recorded as {'error': its last line} and the next one runs. Each run's folder is
+    deleted when the run ends (its checkpoints are GBs at the 1B shape), unless the run says `keep`."""
     import torch
 
     import zerodp.trainer.loop as zt
@@ -166,13 +171,31 @@ def worker(spec_path: str, out_path: str) -> None:
         peaks["sample"] = peak()
         return text
 
+    from zerodp.checkpoint.checkpointer import Checkpointer
+
+    saves: dict = {}
+    real_save = Checkpointer.save
+
+    def timed_save(self, step, trainer_state):
+        t0 = time.perf_counter()
+        try:
+            return real_save(self, step, trainer_state)
+        finally:
+            saves[step] = time.perf_counter() - t0
+
+    Checkpointer.save = timed_save
     zt.make_strategy, zt.sample = make_strategy, sample
     results = []
     for run in spec["runs"]:
         peaks.clear()
-        if cuda:
+        saves.clear()
+        if cuda:  # what an earlier run of this process left allocated is counted apart (`before`)
+            import gc
+
+            gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
         cfg = load_config(str(ROOT / "configs/tiny.yaml"), run["overrides"])
         counter = SyncCounter(cuda)
         try:
@@ -182,17 +205,40 @@ def worker(spec_path: str, out_path: str) -> None:
             else:
                 s = zt.train(cfg, fresh=run["fresh"], return_weights=run.get("weights", False))
         except Exception as e:  # the next run still runs; the check reports this one's error
-            results.append({"error": f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"})
+            results.append({"error": f"{type(e).__name__}: {(str(e).strip().splitlines() or ['?'])[-1][:200]}"})
+            _remove(cfg.train.out_dir, run, together=False)
             continue
         peaks.setdefault("train", peak())
         metrics = Path(cfg.train.out_dir) / "metrics.jsonl"
         results.append({"losses": [s["losses"][k] for k in sorted(s["losses"])], "peaks": dict(peaks),
                         "weights": {n: t.cpu() for n, t in s.get("weights", {}).items()},
                         "records": [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists()
-                        else [], "syncs": counter.counts, "sync_where": counter.where, **device_props(cuda)})
+                        else [], "syncs": counter.counts, "sync_where": counter.where, "run": s.get("run", {}),
+                        "saves": dict(saves), "allocated_before": before,
+                        "checkpoint_bytes": _bytes(Path(cfg.train.out_dir) / "checkpoints"),
+                        **device_props(cuda)})
+        _remove(cfg.train.out_dir, run)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0:
         torch.save(results, out_path)
     shutdown()
+
+
+def _bytes(folder: Path) -> int:
+    """The bytes of the files under `folder` (0 when there is none)."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
+
+
+def _remove(out_dir: str, run: dict, together: bool = True) -> None:
+    """The run's folder, once every rank is done with it (`together`: a barrier first; not after a run
+    that failed, perhaps on one rank only), rank 0 deleting, unless the run says `keep`."""
+    import torch.distributed as dist
+
+    if run.get("keep"):
+        return
+    if together and dist.is_initialized():
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def device_props(cuda: bool) -> dict:

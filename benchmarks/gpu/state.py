@@ -1,5 +1,5 @@
-"""Checks of what a run leaves and picks up again: resume and memory (1 GPU, fsdp and zero3 on GPT-2
-124M's shape), determinism across processes, and a killed rank under torchrun (2 GPUs)."""
+"""A killed rank under torchrun (2 GPUs): the restarted run ends where the uninterrupted one did
+(resume on one GPU: benchmarks/gpu/one_gpu.py)."""
 
 from __future__ import annotations
 
@@ -9,65 +9,8 @@ import signal
 import subprocess
 import time
 
-from benchmarks.gpu.runner import COMMON, GPT2, ROOT, TORCHRUN, Setup, launch, run_spec
-from benchmarks.gpu.verdicts import Result, same_losses, within
-
-
-def resume_memory(setup: Setup) -> list[Result]:
-    results: list[Result] = []
-    first = {}
-    tmp = setup.tmp
-    for strategy in ("fsdp", "zero3"):
-        base = COMMON + GPT2 + [f"strategy.name={strategy}", "checkpoint.every=2"]
-        runs = []
-        for precision in ("bf16", "fp16"):
-            over = base + [f"train.precision={precision}"]
-            straight = over + (["train.sample_tokens=16"] if precision == "bf16" else [])
-            runs += [run_spec(straight, tmp / f"{strategy}-{precision}-a", 4),
-                     run_spec(over, tmp / f"{strategy}-{precision}-b", 2),
-                     run_spec(over, tmp / f"{strategy}-{precision}-b", 4, fresh=False)]
-        try:
-            got = launch(setup, runs, 1)
-        except RuntimeError as e:
-            results.append(Result(f"resume/memory {strategy}", False, str(e)))
-            continue
-        first[strategy] = got[0]
-        for i, precision in enumerate(("bf16", "fp16")):
-            a, resumed = got[3 * i], got[3 * i + 2]
-            error = a.get("error") or resumed.get("error")
-            results.append(Result(f"resume {strategy} {precision}", False, error) if error else
-                           same_losses(f"resume {strategy} {precision}", resumed["losses"], a["losses"][2:]))
-        results.append(memory_check(strategy, base + ["train.precision=bf16"], got[0]))
-    if "fsdp" in first and "error" not in first["fsdp"]:
-        over = COMMON + GPT2 + ["strategy.name=fsdp", "checkpoint.every=2", "train.precision=bf16",
-                                "train.sample_tokens=16"]
-        try:
-            again = launch(setup, [run_spec(over, tmp / "determinism", 4)], 1)[0]
-            results.append(Result("determinism", False, again["error"]) if "error" in again else
-                           same_losses("determinism fsdp bf16 (a second process)", again["losses"],
-                                       first["fsdp"]["losses"]))
-        except RuntimeError as e:
-            results.append(Result("determinism", False, str(e)))
-    setup.cache["gpt2 fsdp bf16"] = first.get("fsdp")
-    return results
-
-
-def memory_check(strategy: str, overrides: list[str], run: dict) -> Result:
-    from zerodp.config import load_config
-    from zerodp.planner import plan_for_training
-
-    if "error" in run:
-        return Result(f"memory {strategy}", False, run["error"])
-    cfg = load_config(str(ROOT / "configs/tiny.yaml"), overrides)
-    plan = plan_for_training(cfg, 1, run["device_memory"], run["device_name"])
-    row = next((e for e in plan.estimates if e.name == strategy), None)
-    if row is None or "setup" not in run["peaks"] or "sample" not in run["peaks"]:
-        return Result(f"memory {strategy}", False, f"no planner row or no measurement: {run['peaks']}")
-    p, context = run["peaks"], row.overhead_bytes
-    return within(f"memory {strategy} bf16", [
-        ("after setup", p["setup"], row.startup_bytes - context),
-        ("training and final save", p["train"], row.total_bytes - context),
-        ("end-of-run sample", p["sample"], p["train"])])
+from benchmarks.gpu.runner import ROOT, TORCHRUN, Setup
+from benchmarks.gpu.verdicts import Result, same_losses
 
 
 def killed_rank(setup: Setup, uninterrupted: dict, kill_after: int = 3) -> Result:

@@ -18,19 +18,24 @@ class Result:
     check: str
     ok: bool
     detail: str
+    skip: bool = False
+    """Not run (a group past the --budget, a row this zerodp has no key for): neither a pass nor a failure."""
 
     def line(self) -> str:
-        return f"{'PASS' if self.ok else 'FAIL'} {self.check}: {self.detail}"
+        return f"{'SKIP' if self.skip else 'PASS' if self.ok else 'FAIL'} {self.check}: {self.detail}"
 
 
 def exit_code(results: list[Result]) -> int:
     """1 if any check failed (or none ran), else 0."""
-    return 0 if results and all(r.ok for r in results) else 1
+    ran = [r for r in results if not r.skip]
+    return 0 if ran and all(r.ok for r in ran) else 1
 
 
 def summary(results: list[Result]) -> str:
-    failed = sum(not r.ok for r in results)
-    return f"gpu_checks: {len(results) - failed} passed, {failed} failed"
+    failed = sum(not r.ok and not r.skip for r in results)
+    skipped = sum(r.skip for r in results)
+    return (f"gpu_checks: {len(results) - failed - skipped} passed, {failed} failed"
+            + (f", {skipped} skipped" if skipped else ""))
 
 
 def same_losses(check: str, got: list[float], want: list[float], tolerance: float = 0.0) -> Result:
@@ -134,5 +139,6 @@ def throughput(check: str, got: dict, fits: bool, plan: str) -> Result:
     if "error" in got:
         return Result(check, False, got["error"])
     mfu = f"{got['mfu']:.1%}" if got.get("mfu") is not None else "n/a"
+    steps = f" ({got['steps']})" if got.get("steps") else ""
     return Result(check, True, f"{got['tokens_per_s_per_device']:,.0f} tokens/s per GPU, MFU {mfu}, step "
-                               f"{got['step_s']:.3f} s, peak {got.get('peak') or 'n/a'} (planned: {plan})")
+                               f"{got['step_s']:.3f} s{steps}, peak {got.get('peak') or 'n/a'} (planned: {plan})")

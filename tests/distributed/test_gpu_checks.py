@@ -97,7 +97,7 @@ def test_hsdp_groups_and_throughput_lines():
 
 
 def test_the_check_list_prints_without_a_gpu_and_fits_the_budget():
-    from benchmarks.gpu.checklist import CHECKS, select
+    from benchmarks.gpu.checklist import CHECKS, fits, select
 
     r = subprocess.run([sys.executable, "benchmarks/gpu_checks.py", "--list"], cwd=ROOT, env=base_env(1),
                        capture_output=True, text=True, timeout=120)
@@ -105,25 +105,62 @@ def test_the_check_list_prints_without_a_gpu_and_fits_the_budget():
     lines = r.stdout.splitlines()
     names = [c.name for c in CHECKS]
     assert [line.split()[0] for line in lines[:-1]] == names == [
-        "resume", "features", "offload", "compile", "syncs", "throughput", "equivalence", "precision", "hsdp"]
-    assert lines[0].split()[1:4] == ["1+", "GPU", "~150"]
+        "compile", "throughput", "resume", "fp16", "offload", "save", "compiled", "features", "equivalence",
+        "precision", "hsdp"]
+    assert lines[0].split()[:5] == ["compile", "1+", "GPU", "~", "60"]
     one = sum(c.seconds for c in CHECKS if c.gpus == 1)
-    assert one < 600 and lines[-1].startswith(f"total on one H200: ~{one} s")
-    assert [c.name for c in select(None, 1, False)] == names[:6]
-    assert [c.name for c in select("hsdp,syncs", 1, True)] == ["syncs", "hsdp"]  # the CPU mode counts as 2
-    assert [c.name for c in select("resume,compile", 8, True)] == []  # they need CUDA itself
+    assert lines[-1].startswith(f"total on one H200: ~{one} s")
+    # 8 minutes of a rental: every one-GPU group but the last (features, 10/10 on the first GPU run) fits
+    used, ran = 0, []
+    for c in select(None, 1, False):
+        if fits(c, used, 480):
+            used, ran = used + c.seconds, ran + [c.name]
+    assert ran == names[:7], ran
+    assert [c.name for c in select(None, 1, False)] == names[:8]
+    assert [c.name for c in select("hsdp,save", 1, True)] == ["save", "hsdp"]  # the CPU mode counts as 2
+    assert [c.name for c in select("compile,fp16,compiled", 8, True)] == []  # they need CUDA itself
     bad = subprocess.run([sys.executable, "benchmarks/gpu_checks.py", "--only", "nope"], cwd=ROOT, env=base_env(1),
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("gpu_checks: no check named nope;"), bad.stderr
 
 
-def test_hsdp_and_fsdp_offload_run_end_to_end_on_2_cpu_processes():
-    """The CPU mode: the groups' code (launch, worker, verdicts) on 2 gloo processes with tiny shapes."""
+def test_a_row_this_zerodp_lacks_is_skipped_and_memory_is_judged_against_the_plan():
+    from benchmarks.gpu.one_gpu import accepted, memory_beside_plan
+    from benchmarks.gpu.verdicts import exit_code, summary
+
+    assert accepted(["model.n_layer=2"]) is None
+    assert "model.no_such_key" in accepted(["model.no_such_key=8"])
+    skipped = Result("throughput x", True, "not in this zerodp: ...", skip=True)
+    assert skipped.line() == "SKIP throughput x: not in this zerodp: ..."
+    ok = Result("a", True, "")
+    assert exit_code([ok, skipped]) == 0 and exit_code([skipped]) == 1, "skipped is not a pass"
+    assert summary([ok, skipped]) == "gpu_checks: 1 passed, 0 failed, 1 skipped"
+    near = memory_beside_plan("m", 47 * GIB, 44 * GIB)
+    assert near.ok and near.line() == "PASS m: allocator peak 47.00 GiB, planned 44.00 GiB (+6.8%; band 10%)"
+    assert not memory_beside_plan("m", int(43.8 * GIB), int(36.5 * GIB)).ok
+
+
+def test_the_cpu_mode_runs_groups_one_after_another_within_a_budget(tmp_path):
+    """The CPU mode: the groups' code (launch, worker, verdicts) on 2 gloo processes with tiny shapes; each
+    group's estimate printed before it, a group past the budget skipped with a line, the lines as JSON."""
+    import json
+
+    out = tmp_path / "checks.json"
     r = subprocess.run([sys.executable, "benchmarks/gpu_checks.py", "--device", "cpu", "--tiny", "--only",
-                        "offload,hsdp"], cwd=ROOT, env=base_env(1), capture_output=True, text=True, timeout=900)
+                        "offload,save,hsdp", "--budget", "90", "--json", str(out)], cwd=ROOT, env=base_env(1),
+                       capture_output=True, text=True, timeout=900)
     lines = r.stdout.splitlines()
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
-    assert lines[0] == "gpu_checks: 2 CPU processes (tiny shapes): offload, hsdp"
-    assert lines[1].startswith("PASS offload fsdp (optimizer and params, world 2) vs single: 8 losses max |diff|")
-    assert lines[2].startswith("PASS hsdp fsdp (world 2, 2 replicas of 1): 8 losses max |diff|")
-    assert lines[3].startswith("gpu_checks: 2 passed, 0 failed in ")
+    assert lines[0] == "gpu_checks: 2 CPU processes (tiny shapes): offload, save, hsdp; budget 90 s"
+    assert lines[1].startswith("gpu_checks: disk: each run's folder under ")
+    assert lines[2] == "SKIP offload: ~95 s on one H200 would pass the budget of 90 s (0 s used)", lines[2]
+    assert lines[3].startswith("gpu_checks: group save (~70 s on one H200): ")
+    assert lines[4].startswith("PASS save llama-1b ddp fp32 (world 2): background save held the loop "), lines[4]
+    assert lines[5].startswith("gpu_checks: group save took ")
+    assert lines[6].startswith("gpu_checks: group hsdp (~25 s on one H200): ")
+    assert lines[7].startswith("PASS hsdp fsdp (world 2, 2 replicas of 1): 8 losses max |diff|")
+    assert lines[-1].startswith("gpu_checks: 2 passed, 0 failed, 1 skipped in ")
+    got = json.loads(out.read_text())
+    assert [(x["group"], x["status"]) for x in got["results"]] == [("offload", "SKIP"), ("save", "PASS"),
+                                                                    ("hsdp", "PASS")]
+    assert [g["group"] for g in got["groups"]] == ["save", "hsdp"] and got["summary"] == lines[-1]

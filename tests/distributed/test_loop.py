@@ -125,8 +125,8 @@ def test_no_mfu_on_a_cpu_without_a_peak():
 
 
 def no_checkpoint_run(overrides: list[str], sigterm_at: int) -> dict:
-    """Train with SIGTERM sent to this process during step `sigterm_at`; the console's lines and what
-    the run left in its folder."""
+    """Train with SIGTERM sent to this process during step `sigterm_at` (0: none); the console's lines,
+    what the run left in its folder and the steps metrics.jsonl holds."""
     import contextlib
     import io
     import os
@@ -146,10 +146,15 @@ def no_checkpoint_run(overrides: list[str], sigterm_at: int) -> dict:
     zerodp.trainer.loop.train_step = step
     cfg = load_config(None, overrides)
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        summary = zerodp.trainer.loop.train(cfg, fresh=True)
+    try:
+        with contextlib.redirect_stderr(err):
+            summary = zerodp.trainer.loop.train(cfg, fresh=True)
+    finally:
+        zerodp.trainer.loop.train_step = real_step
+    metrics = Path(cfg.train.out_dir) / "metrics.jsonl"
     return {"lines": err.getvalue().splitlines(), "files": sorted(p.name for p in Path(cfg.train.out_dir).iterdir()),
-            "final_step": summary["final_step"], "preempted": summary["preempted"]}
+            "final_step": summary["final_step"], "preempted": summary["preempted"],
+            "steps": [json.loads(x)["step"] for x in metrics.read_text().splitlines()]}
 
 
 def test_a_run_without_checkpoints_writes_none_and_says_so(tiny, tmp_path):
@@ -157,9 +162,13 @@ def test_a_run_without_checkpoints_writes_none_and_says_so(tiny, tmp_path):
     on a preemption, which stops the run after its step and says nothing was saved."""
     over = tiny + ["strategy.name=single", "train.max_steps=8", "train.log_every=2", "checkpoint.every=2",
                    "checkpoint.enabled=false", "train.eval_every=0", "train.sample_tokens=0", "train.progress=false",
-                   f"train.out_dir={tmp_path}"]
-    res = run_distributed("tests.distributed.test_loop:no_checkpoint_run", 1, {"overrides": over, "sigterm_at": 3},
-                          fresh=True)[0]
+                   f"train.out_dir={tmp_path / 'preempted'}"]
+    whole = [o for o in over if not o.startswith(("train.max_steps=", "train.out_dir="))]
+    res, whole = run_distributed("tests.support.workers:several", 1, {"calls": [
+        {"target": "tests.distributed.test_loop:no_checkpoint_run", "kwargs": {"overrides": over, "sigterm_at": 3}},
+        {"target": "tests.distributed.test_loop:no_checkpoint_run",
+         "kwargs": {"overrides": whole + ["train.max_steps=5", f"train.out_dir={tmp_path / 'whole'}"],
+                    "sigterm_at": 0}}]}, fresh=True)[0]
     lines = res["lines"]
     said = "zerodp: checkpoint.enabled=false: this run writes no checkpoint, not even at the end; a preemption " \
            "stops it without saving"
@@ -170,3 +179,7 @@ def test_a_run_without_checkpoints_writes_none_and_says_so(tiny, tmp_path):
     assert any(line.startswith("zerodp: step 2/8: ") and line.endswith("(median of steps 1-2 (warm-up, all there is))")
                for line in lines), lines
     assert any(line.startswith("zerodp: step 4/8: ") and line.endswith("(median of steps 3-4)") for line in lines)
+    # without a preemption: every step recorded, the last (5, not a log step) a sync point without a save
+    assert whole["steps"] == [1, 2, 3, 4, 5] and whole["files"] == ["config.yaml", "metrics.jsonl"], whole
+    assert any(line.startswith("zerodp: run: 5 steps; steps 3-5, warm-up steps 1-2 left out")
+               for line in whole["lines"]), whole["lines"]

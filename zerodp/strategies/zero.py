@@ -66,6 +66,26 @@ def _import_muon_uncompiled() -> None:
         compiler.compile = real
 
 
+ZERO3_COMPILE = "ZERODP_CHECK_ZERO3_COMPILE"
+"""Set (to anything) by benchmarks/gpu_checks.py's compile group alone: lets zero3 + train.compile run on
+CUDA so that the check can show whether it trains the same model as single (issue 39, item 1).
+
+Why it is refused there: zerodp compiles each block's forward (zerodp.models.compile_blocks) after
+DeepSpeed has put its ZeRO-3 hooks on every submodule, the block's inner Linear and norm layers
+included. Those inner modules run inside the compiled forward: DeepSpeed's pre-forward hook (the gather)
+is torch.compiler.disable'd, a graph break, while its post-forward hook, which releases the gathered
+parameter (`param.data` swapped for an empty tensor), is traced into the graph, and its parameter dict
+(ZeROOrderedDict.__getitem__) hands the parameter over ungathered while dynamo traces. Which parameter
+storage a compiled segment then reads depends on how dynamo orders those `.data` swaps: on CPU with
+torch 2.13 the losses match single's exactly, on CUDA with torch 2.11 they did not (fp32, deterministic,
+world 1: 5.2504 against 5.1067 at step 1, the first forward, before any optimizer step)."""
+
+
+def _on_cuda(device: str) -> bool:
+    """Whether a run with train.device `device` computes on CUDA ('auto': when a GPU is visible)."""
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
 class ZeroStrategy:
     layout = "deepspeed"
 
@@ -81,6 +101,10 @@ class ZeroStrategy:
         deepspeed_ops.check(self.name, cfg.strategy.offload_optimizer)  # a compiler, where DeepSpeed builds an op
         deepspeed_config(cfg, self.stage, grad_accum_steps, world_size, ranks_per_node())
         check_quantizer(cfg.strategy)
+        if self.stage == 3 and cfg.train.compile and _on_cuda(cfg.train.device) and not os.environ.get(ZERO3_COMPILE):
+            raise UserError("train.compile=true under zero3 trained a different model on CUDA (a GPU check found its "
+                            "loss off by 0.14 at step 1) and is refused until the check passes: use strategy.name=fsdp "
+                            "with train.compile=true, or zero3 with train.compile=false")
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         deepspeed_ops.choose_accelerator()  # before DeepSpeed is imported

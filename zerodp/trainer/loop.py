@@ -270,7 +270,8 @@ class Steps:
                 self._say_held()
             evaluate_now = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == cfg.train.max_steps)
             save_now = self.checkpointer.due(done)
-            if not (evaluate_now or save_now or done % cfg.train.log_every == 0):
+            last = done == cfg.train.max_steps  # a sync point even where no save is (checkpoint.enabled=false)
+            if not (evaluate_now or save_now or last or done % cfg.train.log_every == 0):
                 watch.step_done(done, time.perf_counter() - t_end)
                 t_end = time.perf_counter()
                 continue

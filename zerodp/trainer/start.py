@@ -54,6 +54,8 @@ def earlier_run(out_dir: Path) -> list[str]:
     """The files of an earlier run in `out_dir` (a lone config.yaml, of a launch that stopped at its
     start-up checks, is no earlier run: it is rewritten)."""
     present = [n for n in RUN_FILES if (out_dir / n).exists()]
+    # what its resumes kept (zerodp.trainer.resume): earlier settings, superseded records
+    present += sorted(p.name for pattern in ("config.steps-*.yaml", "superseded-*") for p in out_dir.glob(pattern))
     checkpoints = out_dir / "checkpoints"
     if "checkpoints" in present and checkpoints.is_dir() and not any(checkpoints.iterdir()):
         present.remove("checkpoints")

@@ -137,3 +137,20 @@ def test_a_run_and_its_export_sample_with_the_same_default_seed(finetuned, tmp_p
     assert texts[0] == texts[1]
     assert main(["generate", str(export), "--prompt", "def ", "--max-new-tokens", "24", "--seed", "0"]) == 0
     assert capsys.readouterr().out != texts[0]  # seed 7 (the run's) is not seed 0
+
+
+def test_the_origin_is_found_through_init_from_too(finetuned, tmp_path):
+    """Item 6: the Hugging Face model a run starts from is model.hf_config's, else model.init_from's folder,
+    else what the zerodp checkpoint given as model.init_from records (a fine-tune of a fine-tune); none for
+    a model trained from scratch."""
+    from zerodp.checkpoint.manifest import resolve_step_folder
+    from zerodp.models.hf import origin_config
+
+    hf, run = finetuned
+    original = json.loads((hf / "config.json").read_text())
+    step = resolve_step_folder(run)
+    assert json.loads((step / "meta.json").read_text())["hf_origin"] == original
+    assert origin_config(None, str(hf)) == origin_config(str(hf), None) == original
+    assert origin_config(None, str(hf / "model.safetensors")) == original
+    assert origin_config(None, str(step)) == original
+    assert origin_config(None, None) is None and origin_config(None, str(tmp_path)) is None

@@ -399,7 +399,8 @@ def test_hf_output_is_replaced_only_with_overwrite(tmp_path, capsys):
     make_hf("llama-gqa", folder)
     dst = tmp_path / "out"
     assert main(["convert", str(folder), str(dst), "--to", "hf", "--no-progress"]) == 0
-    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "model.safetensors"]
+    # the source's generation_config.json (transformers writes one) comes along, as every file it was given
+    assert sorted(p.name for p in dst.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert json.loads((dst / "config.json").read_text())["max_position_embeddings"] == SEQ
     assert main(["convert", str(folder), str(dst), "--to", "hf", "--no-progress"]) == 2
     assert "already exists and is not empty; choose a new folder or pass --overwrite" in capsys.readouterr().err

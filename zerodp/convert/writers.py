@@ -233,7 +233,8 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     # A RoPE model keeps the context of the Hugging Face model it started from (not the length the run
     # trained at, which the rope scaling knows nothing of); one trained from scratch has the run's.
     origin = origin_of(source.meta).get("max_position_embeddings")
-    longest = max(origin, a.block_size) if isinstance(origin, int) and not a.spec.LEARNED_POSITIONS else None
+    trained = model.get("block_size") or 0  # (an HF folder's model section has none: not a weight)
+    longest = max(origin, trained) if isinstance(origin, int) and not a.spec.LEARNED_POSITIONS else None
     dtype_name = str(infos[to_hf(a.family, a.embedding)[0]].dtype).replace("torch.", "")
     config = hf_config_from_model(model, dtype=dtype_name, max_positions=longest)
     shards = _shard(hf_names, infos, max_shard_size)

@@ -179,13 +179,20 @@ the config.json of the Hugging Face model its weights started from."""
 
 def origin_config(hf_config: str | None, init_from: str | None) -> dict | None:
     """The config.json (as a dict) of the Hugging Face model a run starts from: model.hf_config's, else
-    the one in (or beside) model.init_from when that is a Hugging Face folder or file; None for a model
+    the one in (or beside) model.init_from when that is a Hugging Face folder or file, or the one a zerodp
+    step folder given as model.init_from records (ORIGIN: a fine-tune of a fine-tune); None for a model
     trained from scratch. An export keeps that model's context and rope settings
     (zerodp.convert.writers.write_hf), not the length the run trained at."""
     for given in (hf_config, init_from):
         if not given:
             continue
         p = Path(given)
+        try:
+            recorded = json.loads((p / "meta.json").read_text(encoding="utf-8")).get(ORIGIN) if p.is_dir() else None
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        if isinstance(recorded, dict):
+            return recorded
         for candidate in (p / "config.json", p.parent / "config.json") if p.suffix != ".json" else (p,):
             try:
                 raw = json.loads(candidate.read_text(encoding="utf-8")) if candidate.is_file() else None

@@ -53,8 +53,11 @@ def sft(tmp_path_factory):
     prepare, train, convert = readme["prepare"], readme["train"], readme["convert"]
     assert prepare[:2] == ["zerodp", "prepare"] and convert[:2] == ["zerodp", "convert"], (prepare, convert)
     assert main([*prepare[1:], "--val-fraction", "0.1", "--no-progress"]) == 0
-    # torchrun --nproc-per-node N -m zerodp train CONFIG OVERRIDES, on the harness's N processes
-    assert train[:2] == ["torchrun", "--nproc-per-node"] and train[3:6] == ["-m", "zerodp", "train"], train
+    # python -m zerodp.distributed.launcher (torchrun) --nproc-per-node N -m zerodp train CONFIG OVERRIDES, on
+    # the harness's N processes
+    launcher = ["python", "-m", "zerodp.distributed.launcher", "--nproc-per-node"]
+    assert train[:4] == launcher and train[5:8] == ["-m", "zerodp", "train"], train
+    train = train[2:]  # as torchrun's words: the launcher takes torchrun's options
     small = [f"data.source={root / 'data'}", f"train.out_dir={root / 'run'}",  # the config's data/sft, runs/sft-llama
              "model.block_size=64", "train.global_batch_size=8", "train.micro_batch_size=2",
              f"train.max_steps={STEPS}", "train.precision=fp32", "train.eval_every=4", "train.eval_batches=2",

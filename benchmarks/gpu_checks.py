@@ -11,7 +11,8 @@ its estimate on one H200; with --budget a group whose estimate would pass the bu
 line saying so. One line per check, printed as soon as it is known: `PASS <check>: <what was measured>`,
 `FAIL <check>: <what differed>` or `SKIP <check>: <why>`, then a summary line; the exit code is 1 if any
 check failed, else 0 (2 for bad arguments). The same lines go to a JSON file (--json, rewritten after
-each line, so a rental that ends early keeps what was measured). Every run's folder is deleted when the
+each line, so a rental that ends early keeps what was measured; a new file, never an earlier one).
+Every run's folder is deleted when the
 run ends; the runs that are not about checkpoints write none (checkpoint.enabled=false), so disk use is
 bounded by the save group's two checkpoints of the 1B model, stated at the start. On a machine without
 a usable GPU it says so and exits 0 (nothing to check). --device cpu --tiny runs the groups that need no
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="with --device cpu: tiny shapes (the CPU mode)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds: skip each group whose estimate would pass this (default: no budget)")
-    parser.add_argument("--json", default="gpu_checks.json", help="the lines as JSON (default: gpu_checks.json)")
+    parser.add_argument("--json", default=None, help="the lines as JSON, a new file (default: "
+                                                      "gpu_checks-<UTC time>.json here)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -56,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         print("\n".join(listing()))
         return 0
+    args.json = args.json or time.strftime("gpu_checks-%Y%m%d-%H%M%S.json", time.gmtime())
+    if Path(args.json).exists():  # an earlier run's results are never overwritten
+        print(f"gpu_checks: {args.json} exists; pass a new --json path", file=sys.stderr)
+        return 2
     cpu = args.device == "cpu"
     if cpu != args.tiny:
         print("gpu_checks: --device cpu and --tiny go together (the CPU mode runs tiny shapes only)", file=sys.stderr)

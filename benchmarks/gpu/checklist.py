@@ -36,14 +36,14 @@ CHECKS = (
           "Llama-3.2-1B shape, bf16, micro 4, eager, per planned strategy (and loss_chunks / activation "
           "checkpointing rows where this zerodp has the keys): tokens/s, MFU, host syncs per step, allocator "
           "peak vs the planner's"),
-    Check("resume", 1, 45, True, one_gpu.resume, "single, fsdp, zero3 in bf16 and fp16, tiny: resumed losses "
+    Check("resume", 1, 60, True, one_gpu.resume, "single, fsdp, zero3 in bf16 and fp16, tiny: resumed losses "
                                                  "bit-identical to the straight run's"),
-    Check("fp16", 1, 30, False, one_gpu.fp16_zero, "fp16 zero1/2/3 vs single's fp16, tiny, within the bands"),
+    Check("fp16", 1, 25, False, one_gpu.fp16_zero, "fp16 zero1/2/3 vs single's fp16, tiny, within the bands"),
     Check("offload", 1, 95, True, features.offload,
           "the catalog's offload rows (zero2, zero3 optimizer [and params], fsdp CPUOffloadPolicy) vs single"),
     Check("save", 1, 70, True, one_gpu.save_stall,
           "1B shape under single: the background save's stall beside a synchronous save's"),
-    Check("compiled", 1, 95, False, one_gpu.throughput_compiled,
+    Check("compiled", 1, 90, False, one_gpu.throughput_compiled,
           "the throughput rows with train.compile=true (single, fsdp)"),
     Check("features", 1, 45, True, features.features,
           "fsdp vs single; activation checkpointing; evaluation; data.prefetch=2; train.deterministic=false; "

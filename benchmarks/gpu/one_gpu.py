@@ -179,7 +179,7 @@ def resume(setup: Setup) -> list[Result]:
                      run_spec(over, out, 4, fresh=False)]
             index.append((name, p))
     try:
-        got = launch(setup, runs, setup.world)
+        got = launch(setup, runs, setup.world, timeout=560)
     except RuntimeError as e:
         return [Result("resume", False, str(e))]
     results = []

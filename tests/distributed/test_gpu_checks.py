@@ -164,3 +164,6 @@ def test_the_cpu_mode_runs_groups_one_after_another_within_a_budget(tmp_path):
     assert [(x["group"], x["status"]) for x in got["results"]] == [("offload", "SKIP"), ("save", "PASS"),
                                                                     ("hsdp", "PASS")]
     assert [g["group"] for g in got["groups"]] == ["save", "hsdp"] and got["summary"] == lines[-1]
+    again = subprocess.run([sys.executable, "benchmarks/gpu_checks.py", "--device", "cpu", "--tiny", "--json",
+                            str(out)], cwd=ROOT, env=base_env(1), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and again.stderr == f"gpu_checks: {out} exists; pass a new --json path\n"

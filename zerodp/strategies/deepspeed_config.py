@@ -33,6 +33,38 @@ OWNED = {
 }
 
 
+# DeepSpeed defaults that change the numerics or the host syncs, set explicitly so that a DeepSpeed release
+# that changes its default changes nothing here (0.19 turned bf16.check_grad_overflow on and made
+# gradient_clipping default to 1.0, which zerodp sets from optim.grad_clip). Each is the value zerodp's
+# equivalence with single and ddp was established with; tests/unit/test_deepspeed_config.py reads them
+# back through DeepSpeed's own config parser.
+ENGINE_PINNED = {
+    "prescale_gradients": False,  # divide after the reduction (as ddp's mean), not before
+    "gradient_predivide_factor": 1.0,
+    "gradient_allreduce_op": "mean",  # the mean over ranks, as every zerodp strategy reduces
+    "torch_autocast": {"enabled": False},  # the engine holds 16-bit parameters itself; no autocast on top
+    "managed_gradient_accumulation": True,  # DeepSpeed steps at the accumulation boundary zerodp's batch sets
+}
+BF16_PINNED = {
+    # bf16 has fp32's range and no loss scale: the overflow check (on by default since 0.19, ZeRO-1/2)
+    # would only bring a flag to the host every step (stage_1_and_2.py has_overflow: .item()).
+    "check_grad_overflow": False,
+    "immediate_grad_update": False,
+    "bf16_master_weights_and_grads": False,  # fp32 master weights and gradients
+    "bf16_optimizer_states": False,  # fp32 AdamW moments
+}
+ZERO_PINNED = {
+    "compute_grad_norm": True,  # zerodp reports it every step, and clipping needs it
+    "reduce_scatter": True,
+    "allgather_partitions": True,
+    "use_multi_rank_bucket_allreduce": True,
+    "round_robin_gradients": False,
+    "load_from_fp32_weights": True,  # resume from the fp32 master weights, not the 16-bit copy
+    "enable_sanity_checks": False,  # its checks bring values to the host every step
+    "zero_quantized_nontrainable_weights": False,
+}
+
+
 def reduce_dtypes(precision: str, grad_reduce_dtype: str) -> dict:
     """DeepSpeed's gradient accumulation and communication dtypes for `strategy.grad_reduce_dtype`. Both
     follow the parameter dtype unless set (engine.py: `get_data_types`, `communication_data_type`): bf16
@@ -63,6 +95,7 @@ def generated_config(cfg: Config, stage: int, grad_accum_steps: int, world_size:
         "zero_hpz_partition_size": hpz,
         "zero_quantized_weights": s.quantized_weights,
         "zero_quantized_gradients": s.quantized_gradients,
+        **ZERO_PINNED,
     }
     if s.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -73,17 +106,17 @@ def generated_config(cfg: Config, stage: int, grad_accum_steps: int, world_size:
         # Dynamic loss scaling with torch.amp.GradScaler's defaults: start at 2**16, halve on overflow,
         # double after 2000 clean steps.
         fp16.update(loss_scale=0, initial_scale_power=16, loss_scale_window=2000, hysteresis=1,
-                    min_loss_scale=1)
+                    consecutive_hysteresis=False, min_loss_scale=1)
+    fp16.update(auto_cast=False, fp16_master_weights_and_grads=False)
     return {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": grad_accum_steps,
         "train_batch_size": t.micro_batch_size * grad_accum_steps * world_size,
         "gradient_clipping": cfg.optim.grad_clip,
-        # bf16 has fp32's range and no loss scale: DeepSpeed's overflow check (on by default, ZeRO-1/2) would
-        # only bring a flag to the host every step (stage_1_and_2.py has_overflow: .item()).
-        "bf16": {"enabled": True, "check_grad_overflow": False} if t.precision == "bf16" else {"enabled": False},
+        "bf16": {"enabled": t.precision == "bf16", **BF16_PINNED},
         "fp16": fp16,
         "zero_optimization": zero,
+        **ENGINE_PINNED,
         # zerodp hands DeepSpeed torch's AdamW (or DeepSpeedCPUAdam when offloading, see `_optimizer`).
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,

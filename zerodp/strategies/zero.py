@@ -70,15 +70,29 @@ ZERO3_COMPILE = "ZERODP_CHECK_ZERO3_COMPILE"
 """Set (to anything) by benchmarks/gpu_checks.py's compile group alone: lets zero3 + train.compile run on
 CUDA so that the check can show whether it trains the same model as single (issue 39, item 1).
 
-Why it is refused there: zerodp compiles each block's forward (zerodp.models.compile_blocks) after
-DeepSpeed has put its ZeRO-3 hooks on every submodule, the block's inner Linear and norm layers
+Why it was wrong there: zerodp compiled each block's forward (zerodp.models.compile_blocks) after
+DeepSpeed had put its ZeRO-3 hooks on every submodule, the block's inner Linear and norm layers
 included. Those inner modules run inside the compiled forward: DeepSpeed's pre-forward hook (the gather)
 is torch.compiler.disable'd, a graph break, while its post-forward hook, which releases the gathered
 parameter (`param.data` swapped for an empty tensor), is traced into the graph, and its parameter dict
 (ZeROOrderedDict.__getitem__) hands the parameter over ungathered while dynamo traces. Which parameter
 storage a compiled segment then reads depends on how dynamo orders those `.data` swaps: on CPU with
 torch 2.13 the losses match single's exactly, on CUDA with torch 2.11 they did not (fp32, deterministic,
-world 1: 5.2504 against 5.1067 at step 1, the first forward, before any optimizer step)."""
+world 1: 5.2504 against 5.1067 at step 1, the first forward, before any optimizer step). Since then each
+block is a ZeRO-3 leaf module under compile (`_blocks_as_leaves`), so no hook runs inside a compiled
+forward; the refusal stays until the GPU check shows that this trains single's model on CUDA."""
+
+
+def _blocks_as_leaves(model: nn.Module) -> None:
+    """Under train.compile, make each transformer block a ZeRO-3 leaf module (deepspeed.utils
+    set_z3_leaf_module), before the engine registers its hooks: the block's pre-forward hook then gathers
+    all of its parameters, its inner modules get no hooks of their own, and the compiled forward
+    (zerodp.models.compile_blocks) runs on gathered parameters with no DeepSpeed hook or `.data` swap
+    inside it. Memory: one block's parameters gathered at a time, as a block's forward needs them anyway."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    for block in model.blocks():
+        set_z3_leaf_module(block, True)
 
 
 def _on_cuda(device: str) -> bool:
@@ -127,6 +141,8 @@ class ZeroStrategy:
         for var, value in (("LOCAL_RANK", ctx.local_rank), ("RANK", ctx.rank), ("WORLD_SIZE", ctx.world_size)):
             os.environ.setdefault(var, str(value))
         model = self._materialise(model, config)
+        if self.stage == 3 and ctx.cfg.train.compile:
+            _blocks_as_leaves(model)
         self.optimizer = self._optimizer(model, ctx.cfg)
         _import_muon_uncompiled()
         # DeepSpeed takes cuda:LOCAL_RANK unless told (engine._set_distributed_vars reads args.device_rank):

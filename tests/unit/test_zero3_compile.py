@@ -12,7 +12,7 @@ from zerodp.strategies import check_config
 from zerodp.strategies.zero import ZERO3_COMPILE
 
 REFUSAL = (r"^train.compile=true under zero3 trained a different model on CUDA \(a GPU check found its loss off by "
-           r"0.14 at step 1\) and is refused until the check passes: use strategy.name=fsdp with train.compile=true, "
+           r"0.14 at step 2\) and is refused until the check passes: use strategy.name=fsdp with train.compile=true, "
            r"or zero3 with train.compile=false$")
 
 

@@ -73,20 +73,25 @@ def selective_factor(m: ModelSpec, autocast: bool) -> float:
     return (4 if autocast else 2) + matmuls + 2 * m.q_dim / h
 
 
-def head_loss_bytes(m: ModelSpec, tokens: int, precision: str, chunks_setting: int | str) -> int:
+def head_loss_bytes(m: ModelSpec, tokens: int, precision: str, chunks_setting: int | str,
+                    autocast: bool = False) -> int:
     """Bytes the LM head and its loss hold at their peak, with every block's activations still kept, for
     `tokens` tokens (micro batch x sequence). The whole logits (0 chunks): at the loss's backward, the fp32
     log-probabilities the loss kept, their gradient and the logits' (fp32) gradient, 12 bytes per logit
     (more than the forward's 16-bit logits, fp32 copy and log-probabilities). In chunks (zerodp.models.loss):
-    one chunk's logits in the compute dtype, their fp32 copy and their gradient, the head weight cast for
-    the chunks' gradients, the fp32 weight gradient and the hidden states' gradient kept for the backward."""
+    one chunk's logits in the compute dtype, their fp32 copy and their gradient (in fp32 all three are one
+    tensor, worked in place), the head weight cast to 16 bits for the chunks' gradients (under `autocast`:
+    fp32 parameters), the fp32 weight gradient and the hidden states' gradient kept for the backward (in
+    their dtype: fp32 under autocast, whose norms compute in fp32)."""
     V, h = m.vocab_size, m.hidden
     chunks = loss_chunks(chunks_setting, tokens, V, h)
     if chunks == 0:
         return 12 * tokens * V
-    c = 4 if precision == "fp32" else 2
     per_chunk = -(-tokens // chunks)
-    return per_chunk * V * (2 * c + 4) + V * h * (4 + c) + tokens * h * 4
+    if precision == "fp32":
+        return per_chunk * V * 4 + V * h * 4 + tokens * h * 4
+    cast, hidden = (2, 4) if autocast else (0, 2)
+    return per_chunk * V * (2 * 2 + 4) + V * h * (4 + cast) + tokens * h * hidden
 
 
 def autocast_copy_bytes(m: ModelSpec, precision: str, autocast: bool) -> int:

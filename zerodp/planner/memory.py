@@ -281,7 +281,7 @@ def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool | str, cuda:
         layers = m.n_layer * s * b * h * selective_factor(m, autocast) * scale + one_layer
     else:
         layers = m.n_layer * one_layer
-    head = head_loss_bytes(m, b * s, w.precision, w.loss_chunks)
+    head = head_loss_bytes(m, b * s, w.precision, w.loss_chunks, autocast)
     copies = autocast_copy_bytes(m, w.precision, autocast)
     return int(layers) + head + copies + document_mask_bytes(m, w, cuda)
 

@@ -77,3 +77,21 @@ def test_the_search_chooses_the_mode_with_the_micro_batch():
     assert "; checkpointing off; selective: micro batch 16 at most" in sentence
     assert "; full: micro batch 16 at most" in sentence  # the whole logits, 12 bytes each, fill the GPU
     assert Checkpointing(True) == "full" and not Checkpointing(False) and Checkpointing("selective").rank == 1
+
+
+def test_plan_flags_for_the_loss_and_the_modes():
+    """`zerodp plan --loss-chunks N|auto` and `--activation-checkpointing off|selective|full|on`; a bad value is
+    one line."""
+    from tests.unit.test_planner import parse
+    from zerodp.errors import UserError
+    from zerodp.planner.cli import build
+
+    base = ["--model", "llama3.2-1b", "--gpu", "h200", "--micro-batch", "4", "--seq-len", "2048"]
+    whole = build(parse(*base, "--loss-chunks", "0", "--activation-checkpointing", "selective"))
+    assert whole.workload.loss_chunks == 0 and whole.activation_checkpointing == "selective"
+    assert "activation checkpointing: selective, loss chunks: 0" in whole.table()
+    on = build(parse(*base, "--activation-checkpointing", "on"))
+    assert on.workload.loss_chunks == "auto" and on.activation_checkpointing == "full"
+    with pytest.raises(UserError, match=r"^--loss-chunks 'many' must be 0 \(the whole logits\), a number of chunks "
+                                        r"or auto$"):
+        build(parse(*base, "--loss-chunks", "many"))

@@ -14,7 +14,7 @@ object to every block; each block's attention calls `attend_documents`. The kern
   the additive one is saved by reference, once. The CPU kernel, and the fallback.
 - flex: torch.nn.attention.flex_attention with a BlockMask from create_block_mask (both compiled on
   CUDA, as torchtitan does): nothing T x T is materialised; the block mask is 8 small int32 tensors
-  (zerodp.planner.memory.document_mask_bytes). No dropout, and no backward on the CPU (torch's
+  (zerodp.planner.activations.document_mask_bytes). No dropout, and no backward on the CPU (torch's
   flex_attention._validate_device).
 - auto: flex on CUDA when attention dropout is off, else sdpa.
 

@@ -49,8 +49,9 @@ class LMHead(nn.Linear):
 
 def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(summed cross-entropy of a chunk's logits (n, V) at `targets` (n,), the gradient of that sum with
-    respect to the logits in their dtype, or None without `grad`): softmax - one-hot, zero on the rows
-    whose target is IGNORE_INDEX."""
+    respect to the logits in their dtype (fp32 for fp16 logits: not yet multiplied by the loss scale, its
+    small values would flush to zero in fp16's range), or None without `grad`): softmax - one-hot, zero on
+    the rows whose target is IGNORE_INDEX."""
     z = logits.float()                                       # (n, V): the loss is taken in fp32
     lse = torch.logsumexp(z, dim=-1)                         # (n,)
     valid = targets != IGNORE_INDEX
@@ -61,7 +62,7 @@ def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor, grad: bool) -> tupl
     z.sub_(lse[:, None]).exp_()                              # softmax, in place
     z.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=z.dtype))
     z.mul_(valid[:, None])
-    return loss, z.to(logits.dtype)
+    return loss, z if logits.dtype == torch.float16 else z.to(logits.dtype)
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -91,10 +92,11 @@ class ChunkedHeadLoss(torch.autograd.Function):
                 continue
             if w is None:
                 w = weight.to(g.dtype)                       # (V, C), cast once for every chunk
-            if want_x:
-                grad_x[a:b] = g @ w         # (n, C)
-            if want_w:
-                grad_w += (g.t() @ xc.to(g.dtype)).float()   # (V, C)
+            with torch.autocast(x.device.type, enabled=False):  # in g's dtype, as cast above
+                if want_x:
+                    grad_x[a:b] = g @ w                      # (n, C)
+                if want_w:
+                    grad_w += (g.t() @ xc.to(g.dtype)).float()  # (V, C)
         ctx.save_for_backward(*(t for t in (grad_x, grad_w) if t is not None))
         ctx.have = (want_x, want_w)
         ctx.dtypes = (x.dtype, weight.dtype)

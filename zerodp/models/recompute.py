@@ -5,7 +5,8 @@ full recomputes a block's whole forward in the backward pass: each block keeps o
 more forward of compute. selective (torchtitan's per-op policy) keeps the outputs of the matmuls and of
 attention and recomputes the element-wise work between them (norms, rotary, activation, residual adds):
 the FLOP-heavy ops run once, and the tensors recomputed are the cheap ones. docs/memory_model.md counts
-what each keeps."""
+what each keeps. Under train.compile the checkpoint wraps the compiled block, whose ops the policy does
+not see: selective then recomputes the whole block, as full does (docs/strategies.md, "Compilation")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""What one micro batch keeps on the device beyond the model states, as zerodp's modules run it: the
-blocks' activations under each checkpointing mode (off, selective, full), the LM head's logits and loss
-(whole or in chunks: model.loss_chunks), and the 16-bit weight copies autocast makes. Torch-free
+"""What one micro batch keeps on the device beyond the model states, as zerodp's modules run it
+(`activation_bytes`): the blocks' activations (Korthikanti's count, `layer_activation_factor`, and what
+zerodp's modules keep beyond it) under each checkpointing mode (off, selective, full), the LM head's
+logits and loss (whole or in chunks: model.loss_chunks), the 16-bit weight copies autocast makes, and the
+document mask. Torch-free
 arithmetic; the formulas, and the measurement they are calibrated on, are in docs/memory_model.md
 ("Activations", "Logits and loss")."""
 
@@ -9,8 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zerodp.models.chunking import CHECKPOINTING, loss_chunks
+from zerodp.planner.units import COMPUTE_BYTES
 
 if TYPE_CHECKING:
+    from zerodp.planner.memory import Workload
     from zerodp.planner.models import ModelSpec
 
 SELECTIVE_RECOMPUTE = 0.1
@@ -73,20 +77,25 @@ def selective_factor(m: ModelSpec, autocast: bool) -> float:
     return (4 if autocast else 2) + matmuls + 2 * m.q_dim / h
 
 
-def head_loss_bytes(m: ModelSpec, tokens: int, precision: str, chunks_setting: int | str) -> int:
+def head_loss_bytes(m: ModelSpec, tokens: int, precision: str, chunks_setting: int | str,
+                    autocast: bool = False) -> int:
     """Bytes the LM head and its loss hold at their peak, with every block's activations still kept, for
     `tokens` tokens (micro batch x sequence). The whole logits (0 chunks): at the loss's backward, the fp32
     log-probabilities the loss kept, their gradient and the logits' (fp32) gradient, 12 bytes per logit
     (more than the forward's 16-bit logits, fp32 copy and log-probabilities). In chunks (zerodp.models.loss):
-    one chunk's logits in the compute dtype, their fp32 copy and their gradient, the head weight cast for
-    the chunks' gradients, the fp32 weight gradient and the hidden states' gradient kept for the backward."""
+    one chunk's logits in the compute dtype, their fp32 copy and their gradient (in fp32 all three are one
+    tensor, worked in place), the head weight cast to 16 bits for the chunks' gradients (under `autocast`:
+    fp32 parameters), the fp32 weight gradient and the hidden states' gradient kept for the backward (in
+    their dtype: fp32 under autocast, whose norms compute in fp32)."""
     V, h = m.vocab_size, m.hidden
     chunks = loss_chunks(chunks_setting, tokens, V, h)
     if chunks == 0:
         return 12 * tokens * V
-    c = 4 if precision == "fp32" else 2
     per_chunk = -(-tokens // chunks)
-    return per_chunk * V * (2 * c + 4) + V * h * (4 + c) + tokens * h * 4
+    if precision == "fp32":
+        return per_chunk * V * 4 + V * h * 4 + tokens * h * 4
+    cast, hidden = (2, 4) if autocast else (0, 2)
+    return per_chunk * V * (2 * 2 + 4) + V * h * (4 + cast) + tokens * h * hidden
 
 
 def autocast_copy_bytes(m: ModelSpec, precision: str, autocast: bool) -> int:
@@ -96,3 +105,56 @@ def autocast_copy_bytes(m: ModelSpec, precision: str, autocast: bool) -> int:
         return 0
     lookups = m.vocab_size * m.hidden if m.arch is not None and not m.arch.tied else 0
     return 2 * (m.params - lookups)
+
+
+def layer_activation_factor(m: ModelSpec, seq_len: int) -> float:
+    """Bytes per s*b*h one block keeps for backward in 16-bit, after Korthikanti et al. (2022):
+    34 + 5*a*s/h for GPT-2 with dropout and unfused attention."""
+    h = m.hidden
+    drop = 1 if m.dropout else 0
+    # QKV input, Q, K and V, out-proj input, dropout mask (Q and the out-proj input are q_dim wide)
+    attn = 2 + 2 * m.q_dim / h + 4 * m.kv_dim / h + 2 * m.q_dim / h + drop
+    if not m.fused_attention:  # softmax output (+ its dropout mask and output) per head: a*s^2*b
+        attn += (5 if m.dropout else 2) * m.n_head * seq_len / h
+    if m.mlp == "swiglu":
+        mlp = 2 + 4 * 2 * m.ffn_hidden / h  # input; gate, up, silu(gate), product
+    else:
+        mlp = 2 + 2 * 2 * m.ffn_hidden / h + drop  # input; GELU input, proj input; dropout mask
+    return attn + mlp + 2 * m.norms_per_block  # + the norms' inputs
+
+
+FLEX_BLOCK = 128
+"""torch's flex attention block (create_block_mask's default)."""
+
+
+def document_mask_bytes(m: ModelSpec, w: Workload, cuda: bool) -> int:
+    """The document mask of one micro batch (data.document_masking), built once per forward and shared by
+    every block (checkpointed or not): SDPA's additive mask b*s*s in the compute dtype, or flex's block
+    mask, 8 int32 tensors of n = ceil(s/128) blocks a side (4 of b*n, 4 of b*n*n). 0 without masking."""
+    if not w.document_masking:
+        return 0
+    kind = w.document_attention
+    if kind == "flex" or (kind == "auto" and cuda and not m.dropout):
+        n = -(-w.seq_len // FLEX_BLOCK)
+        return 4 * 4 * w.micro_batch * n * (n + 1)
+    return w.micro_batch * w.seq_len * w.seq_len * COMPUTE_BYTES[w.precision]
+
+
+def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool | str, cuda: bool = True,
+                     autocast: bool = False) -> int:
+    """Activations kept for backward for one micro batch under `checkpointing` (off, selective, full), the
+    head's logits and loss, the document mask (on a `cuda` device or not: the mask's kernel) and, with
+    `autocast` (fp32 parameters, 16-bit compute: `autocasts`), its 16-bit weight copies included."""
+    s, b, h = w.seq_len, w.micro_batch, m.hidden
+    scale = COMPUTE_BYTES[w.precision] / 2  # the factors above are for 16-bit activations
+    one_layer = s * b * h * (layer_activation_factor(m, s) + precision_extra(m, w.precision, autocast)) * scale
+    mode = Checkpointing(checkpointing)
+    if mode == "full":  # each block keeps its input (fp32 under autocast); one block is recomputed at a time
+        layers = m.n_layer * (4 if autocast else 2 * scale) * s * b * h + one_layer
+    elif mode == "selective":  # each block keeps its matmul and attention outputs; one recomputed at a time
+        layers = m.n_layer * s * b * h * selective_factor(m, autocast) * scale + one_layer
+    else:
+        layers = m.n_layer * one_layer
+    head = head_loss_bytes(m, b * s, w.precision, w.loss_chunks, autocast)
+    copies = autocast_copy_bytes(m, w.precision, autocast)
+    return int(layers) + head + copies + document_mask_bytes(m, w, cuda)

@@ -12,13 +12,13 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from zerodp.planner.activations import (
+from zerodp.planner.activations import (  # noqa: F401  (activations' formulas, imported from here too)
+    FLEX_BLOCK,
     Checkpointing,
-    autocast_copy_bytes,
+    activation_bytes,
     compute_factor,
-    head_loss_bytes,
-    precision_extra,
-    selective_factor,
+    document_mask_bytes,
+    layer_activation_factor,
 )
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
 from zerodp.planner.hardware import Cluster
@@ -235,59 +235,6 @@ def engine_states(params: int, world_size: int, strategy: str, precision: str) -
         return (*_per_gpu(params, world_size, s, (4, 4, 8)), 0)
     master = 4 * math.ceil(params / world_size) if precision == "fp32" else 0
     return (*model_states(params, world_size, strategy, precision), master)
-
-
-def layer_activation_factor(m: ModelSpec, seq_len: int) -> float:
-    """Bytes per s*b*h one block keeps for backward in 16-bit, after Korthikanti et al. (2022):
-    34 + 5*a*s/h for GPT-2 with dropout and unfused attention."""
-    h = m.hidden
-    drop = 1 if m.dropout else 0
-    # QKV input, Q, K and V, out-proj input, dropout mask (Q and the out-proj input are q_dim wide)
-    attn = 2 + 2 * m.q_dim / h + 4 * m.kv_dim / h + 2 * m.q_dim / h + drop
-    if not m.fused_attention:  # softmax output (+ its dropout mask and output) per head: a*s^2*b
-        attn += (5 if m.dropout else 2) * m.n_head * seq_len / h
-    if m.mlp == "swiglu":
-        mlp = 2 + 4 * 2 * m.ffn_hidden / h  # input; gate, up, silu(gate), product
-    else:
-        mlp = 2 + 2 * 2 * m.ffn_hidden / h + drop  # input; GELU input, proj input; dropout mask
-    return attn + mlp + 2 * m.norms_per_block  # + the norms' inputs
-
-
-FLEX_BLOCK = 128
-"""torch's flex attention block (create_block_mask's default)."""
-
-
-def document_mask_bytes(m: ModelSpec, w: Workload, cuda: bool) -> int:
-    """The document mask of one micro batch (data.document_masking), built once per forward and shared by
-    every block (checkpointed or not): SDPA's additive mask b*s*s in the compute dtype, or flex's block
-    mask, 8 int32 tensors of n = ceil(s/128) blocks a side (4 of b*n, 4 of b*n*n). 0 without masking."""
-    if not w.document_masking:
-        return 0
-    kind = w.document_attention
-    if kind == "flex" or (kind == "auto" and cuda and not m.dropout):
-        n = -(-w.seq_len // FLEX_BLOCK)
-        return 4 * 4 * w.micro_batch * n * (n + 1)
-    return w.micro_batch * w.seq_len * w.seq_len * COMPUTE_BYTES[w.precision]
-
-
-def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool | str, cuda: bool = True,
-                     autocast: bool = False) -> int:
-    """Activations kept for backward for one micro batch under `checkpointing` (off, selective, full), the
-    head's logits and loss, the document mask (on a `cuda` device or not: the mask's kernel) and, with
-    `autocast` (fp32 parameters, 16-bit compute: `autocasts`), its 16-bit weight copies included."""
-    s, b, h = w.seq_len, w.micro_batch, m.hidden
-    scale = COMPUTE_BYTES[w.precision] / 2  # the factors above are for 16-bit activations
-    one_layer = s * b * h * (layer_activation_factor(m, s) + precision_extra(m, w.precision, autocast)) * scale
-    mode = Checkpointing(checkpointing)
-    if mode == "full":  # each block keeps its input (fp32 under autocast); one block is recomputed at a time
-        layers = m.n_layer * (4 if autocast else 2 * scale) * s * b * h + one_layer
-    elif mode == "selective":  # each block keeps its matmul and attention outputs; one recomputed at a time
-        layers = m.n_layer * s * b * h * selective_factor(m, autocast) * scale + one_layer
-    else:
-        layers = m.n_layer * one_layer
-    head = head_loss_bytes(m, b * s, w.precision, w.loss_chunks)
-    copies = autocast_copy_bytes(m, w.precision, autocast)
-    return int(layers) + head + copies + document_mask_bytes(m, w, cuda)
 
 
 def autocasts(layout: Layout) -> bool:

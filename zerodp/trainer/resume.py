@@ -76,7 +76,9 @@ def carry_over(cfg: Config, ckpt: Path, meta: dict, trainer: dict, allow_data_ch
         out.config_from = step
         return out
     ours, theirs = order_settings(here), order_settings(saved)
-    changed = [k for k in [*ours, *(k for k in theirs if k not in ours)] if theirs.get(k) != ours.get(k)]
+    # only what the checkpoint records: an import (or an export's config) records the model alone
+    changed = [k for k in [*ours, *(k for k in theirs if k not in ours)]
+               if theirs.get(k) is not None and theirs.get(k) != ours.get(k)]
     if changed:
         what = ", ".join(f"{k}={theirs.get(k)!r} there, {ours.get(k)!r} here" for k in changed)
         if not allow_data_change:

@@ -42,7 +42,7 @@ from zerodp.trainer.preflight import (
     resolve_strategy,  # noqa: F401  (tests and the config's docs name it here)
 )
 from zerodp.trainer.records import Records, log
-from zerodp.trainer.resume import keep_config, keep_superseded
+from zerodp.trainer.resume import keep_config, keep_superseded, new_folder_beside
 from zerodp.trainer.sample import sample
 from zerodp.trainer.validate import evaluate
 
@@ -403,12 +403,7 @@ def _set_aside_earlier_run(env: DistEnv, out_dir: Path, names: list[str]) -> Non
     never saved): move the earlier run's files (`names`: its checkpoints, metrics.jsonl, config.yaml,
     logger folders) together into one folder beside them, never deleting or truncating what it wrote,
     so that neither resume nor retention ever mixes the two runs."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside, n = out_dir / f"earlier-{stamp}", 1
-    while aside.exists():
-        n += 1
-        aside = out_dir / f"earlier-{stamp}-{n}"
-    aside.mkdir()
+    aside = new_folder_beside(out_dir, "earlier")
     for name in names:
         if (out_dir / name).exists():
             os.replace(out_dir / name, aside / name)

@@ -139,6 +139,18 @@ def superseded_note(out_dir: Path, step: int) -> str:
     return f"; metrics.jsonl's records of steps {step + 1}-{last} are moved to {out_dir}/superseded-<date>"
 
 
+def new_folder_beside(out_dir: Path, prefix: str) -> Path:
+    """A new, empty folder `<out_dir>/<prefix>-<date>` (`-2`, `-3`... when that one exists): where a run's
+    earlier files are moved aside, never over an earlier set."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = out_dir / f"{prefix}-{stamp}", 1
+    while aside.exists():
+        n += 1
+        aside = out_dir / f"{prefix}-{stamp}-{n}"
+    aside.mkdir()
+    return aside
+
+
 def keep_superseded(out_dir: Path, step: int) -> str | None:
     """Move metrics.jsonl's records past `step` (the run resumes there) into a new folder
     <out_dir>/superseded-<date>/, with a copy of config.yaml, the settings that trained them; return the
@@ -153,12 +165,7 @@ def keep_superseded(out_dir: Path, step: int) -> str | None:
             (later if json.loads(line)["step"] > step else kept).append(line + "\n")
     if not later:
         return None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    aside, n = out_dir / f"superseded-{stamp}", 1
-    while aside.exists():
-        n += 1
-        aside = out_dir / f"superseded-{stamp}-{n}"
-    aside.mkdir()
+    aside = new_folder_beside(out_dir, "superseded")
     (aside / "metrics.jsonl").write_text("".join(later))
     if (out_dir / "config.yaml").exists():
         shutil.copy2(out_dir / "config.yaml", aside / "config.yaml")

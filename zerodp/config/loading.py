@@ -182,8 +182,8 @@ def _read(path: str | os.PathLike | None, overrides: list[str]) -> tuple[dict, s
         body = raw.setdefault(section, {})
         if not isinstance(body, dict):
             body = raw[section] = {}
-        if section == "strategy" and key.startswith("deepspeed."):
-            _set_nested(body, key.split("."), value)
+        if (section, key.partition(".")[0]) in NESTED and "." in key:
+            _set_nested(body, key.split("."), value, section)
         else:
             body[key] = value
     return raw, where if not overrides else f"{where} (with overrides)"
@@ -256,14 +256,18 @@ def resolve_model(cfg: Config) -> Config:
     return cfg
 
 
-def _set_nested(d: dict, keys: list[str], value: Any) -> None:
-    """d[k0][k1]...[kn] = value for an override strategy.deepspeed.a.b=value, creating mappings."""
+NESTED = {("strategy", "deepspeed"), ("model", "lora"), ("model", "rope_scaling")}
+"""The mappings an override reaches into: strategy.deepspeed.a.b=1, model.lora.rank=16."""
+
+
+def _set_nested(d: dict, keys: list[str], value: Any, section: str = "strategy") -> None:
+    """d[k0][k1]...[kn] = value for an override such as strategy.deepspeed.a.b=value, creating mappings."""
     for i, k in enumerate(keys[:-1]):
         if d.get(k) is None:
             d[k] = {}
         if not isinstance(d[k], dict):
-            path = ".".join(["strategy", *keys[: i + 1]])
-            raise ConfigError(f"{path} is {d[k]!r}, not a mapping, so strategy.{'.'.join(keys)} cannot be set "
+            path = ".".join([section, *keys[: i + 1]])
+            raise ConfigError(f"{path} is {d[k]!r}, not a mapping, so {section}.{'.'.join(keys)} cannot be set "
                               f"inside it; remove one of the two settings")
         d = d[k]
     d[keys[-1]] = value

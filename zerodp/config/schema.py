@@ -84,6 +84,11 @@ class ModelConfig:
     init_from: Optional[str] = None
     """Start from these weights (safetensors file, Hugging Face model folder or convertible checkpoint)
     instead of random init; checked against this model section before the run starts."""
+    lora: dict = field(default_factory=dict)
+    """Low-rank adapters (LoRA) instead of full fine-tuning: `{rank: 16, alpha: 32, dropout: 0.0, targets:
+    [q_proj, v_proj], init_from: PEFT_FOLDER}` (only rank is required; alpha 2 x rank, targets all-linear).
+    The base weights (model.init_from's) are frozen, held at train.precision; only the adapters are trained,
+    reduced and checkpointed (zerodp.models.lora_spec, docs/fine_tuning.md). Empty: every weight trains."""
 
 
 @dataclass

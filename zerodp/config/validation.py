@@ -22,7 +22,9 @@ from zerodp.config.schema import (
 )
 from zerodp.config.sources import check_sources, check_unpacked
 from zerodp.errors import ConfigError
+from zerodp.models.arch import arch_of
 from zerodp.models.chunking import CHECKPOINTING, checkpointing_mode
+from zerodp.models.lora_spec import check_targets, lora_spec
 
 
 def validate(cfg: Config) -> None:
@@ -69,6 +71,9 @@ def check_model(m: ModelConfig) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     _one_of("model.document_attention", m.document_attention, DOCUMENT_ATTENTION)
+    spec = lora_spec(m.lora)
+    if spec is not None:
+        check_targets(arch_of(m), spec)
     try:  # one spelling from here on: true and false are full and off
         m.activation_checkpointing = checkpointing_mode(m.activation_checkpointing)
     except ValueError:

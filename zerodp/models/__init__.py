@@ -38,6 +38,7 @@ FAMILY_PACKAGES = {
 """model.arch -> the family's package. Defined before the import below: zerodp.models.arch reads it."""
 
 from zerodp.models.arch import Arch, arch_of, spec_of  # noqa: E402
+from zerodp.models.lora_spec import lora_spec  # noqa: E402
 
 
 def _model_class(family: str):
@@ -54,8 +55,15 @@ def __getattr__(name: str):  # the modules' classes (GPT, Llama, Qwen3), importe
 def construct(cfg: ModelConfig):
     """The module `cfg.arch` names, as its constructor leaves it: on torch's current default device
     (nothing allocated under `torch.device("meta")`; partitioned as created under `deepspeed.zero.Init`),
-    its values not yet the model's initial weights."""
-    return _model_class(arch_of(cfg).family)(cfg)
+    its values not yet the model's initial weights. With `cfg.lora` the target layers carry low-rank
+    adapters and every base parameter is frozen (zerodp.models.lora)."""
+    model = _model_class(arch_of(cfg).family)(cfg)
+    spec = lora_spec(getattr(cfg, "lora", None))
+    if spec is not None:  # low-rank adapters: created here, wherever the model is (meta, zero.Init)
+        from zerodp.models.lora import add_adapters
+
+        add_adapters(model, spec)
+    return model
 
 
 def build_model(cfg: ModelConfig, seed: int = 0, device: str | torch.device | None = None):

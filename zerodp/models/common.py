@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zerodp.models import docmask, recompute
+from zerodp.models.lora_spec import adapter_shapes, lora_spec
 from zerodp.models.loss import IGNORE_INDEX
 
 INIT_BLOCK = 1 << 20
@@ -98,11 +99,15 @@ class DecoderLM(nn.Module):
         """Elements [start, stop) of parameter `name`'s flattened initial fp32 values, on the CPU.
 
         GPT-2's init for every family: N(0, 0.02) matrices, the residual projections scaled by
-        1/sqrt(2 * n_layer); norm weights 1, biases 0. A pure function of (seed, name): identical
-        whatever the strategy, world size or device."""
+        1/sqrt(2 * n_layer); norm weights 1, biases 0; low-rank adapters as zerodp.models.lora_spec says.
+        A pure function of (seed, name): identical whatever the strategy, world size or device."""
         shape = self._shapes()[name]
         numel = math.prod(shape)
         stop = numel if stop is None else stop
+        if name.endswith(".lora_B.weight"):  # B = 0: step 0 computes the base model
+            return torch.zeros(stop - start, device="cpu")
+        if name.endswith(".lora_A.weight"):  # (rank, in): PEFT's kaiming-uniform variance, 1 / (3 in)
+            return normal_range(seed, name, numel, start, stop).mul_(1.0 / math.sqrt(3 * shape[1]))
         if name.endswith(self.RESIDUAL_PROJECTIONS):
             return normal_range(seed, name, numel, start, stop).mul_(0.02 / math.sqrt(2 * self.arch.n_layer))
         if len(shape) >= 2:
@@ -114,6 +119,9 @@ class DecoderLM(nn.Module):
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         if not hasattr(self, "_param_shapes"):
             self._param_shapes = self.arch.param_shapes()
+            spec = lora_spec(getattr(self.cfg, "lora", None))
+            if spec is not None:
+                self._param_shapes.update(adapter_shapes(self.arch, spec))
         return self._param_shapes
 
     @torch.no_grad()

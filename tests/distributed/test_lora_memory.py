@@ -111,14 +111,14 @@ def compare(strategy: str, precision: str, world: int, measured: list[dict]) -> 
         if not got[0] and want == 0:
             continue
         error = max(abs(g - want) for g in got) / max(want, 1)
-        lines.append(f"{strategy:<7}{precision:<6}{key:<16}{' / '.join(f'{g:,}' for g in got):>26}{want:>12,}"
-                     f"{e.frozen_bytes if key == 'params' else 0:>12,}{error:>8.2%}")
+        lines.append(f"{strategy:<9}{precision:<6}{key:<16}{' / '.join(f'{g:,}' for g in got):>26}{want:>12,}"
+                     f"{e.frozen_bytes if key == 'params' else 0:>14,}{error:>8.2%}")
         if error > TOLERANCE:
             failures.append(f"{strategy} {precision} {key}: measured {got}, planner {want}")
     return lines, failures
 
 
-HEADER = (f"{'strategy':<7}{'prec':<6}{'state':<16}{'measured (per rank)':>26}{'planner':>12}{'of it frozen':>12}"
+HEADER = (f"{'strategy':<9}{'prec':<6}{'state':<16}{'measured (per rank)':>26}{'planner':>12}{'of it frozen':>14}"
           f"{'error':>8}")
 
 

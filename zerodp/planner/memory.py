@@ -258,7 +258,7 @@ def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
     P, T, s, w = model.params, model.trainable_params, layout.spec.startup, layout.workload
     n = layout.cluster.world_size
     c, shard, tshard = COMPUTE_BYTES[w.precision], math.ceil(P / n), math.ceil(T / n)
-    F = (c, math.ceil(model.frozen_params / n))  # the frozen base: bytes per element, elements of a shard
+    frozen_shard = c * math.ceil(model.frozen_params / n)  # a LoRA run's base, in the compute dtype
     oo, op, load = layout.offload_optimizer, layout.offload_params, 4 * model.largest_param
     master = 4 * tshard  # DeepSpeed's fp32 master partition
     if s == "fp32_module":
@@ -266,7 +266,7 @@ def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
     if s == "fp32_module_buckets":  # the reducer allocates its fp32 flat buckets when it wraps the model
         return 8 * T + c * model.frozen_params, load
     if s == "fp32_shards":  # fully_shard on the meta model, then to_empty: fp32 shards only (offload: on host)
-        shards = 4 * tshard + F[0] * F[1]
+        shards = 4 * tshard + frozen_shard
         return (0, load + shards) if oo or op else (shards, load)
     if s == "16bit_module":  # module built in the compute dtype; the optimizer's groups flattened through host RAM
         return c * P + (0 if oo else master), load + c * T + (master if oo else 0)

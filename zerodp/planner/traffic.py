@@ -45,11 +45,12 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
     if n == 1:
         return []
     ring = lambda size: (size - 1) / size  # noqa: E731
-    cb, P, acc, s = COMPUTE_BYTES[w.precision], model.trainable_params, w.grad_accum_steps, layout.spec
+    cb, acc, s = COMPUTE_BYTES[w.precision], w.grad_accum_steps, layout.spec
+    T = model.trainable_params  # what gets gradients: every parameter, or a LoRA run's adapters
     gb = grad_bytes(w.precision, w.grad_reduce_dtype)  # ZeRO's gradient reduction (strategy.grad_reduce_dtype)
     if s.traffic == "all_reduce":  # once per step (no_sync while accumulating) during backward; zerodp's DDP
         # keeps fp32 gradients (autocast over fp32 parameters)
-        return [Collective("all-reduce fp32 gradients", "all", 2 * ring(n) * 4 * P, True)]
+        return [Collective("all-reduce fp32 gradients", "all", 2 * ring(n) * 4 * T, True)]
     if s.traffic == "reduce_then_gather":  # DeepSpeed all-reduces the gradients
         # (use_multi_rank_bucket_allreduce), each rank keeping its partition: at the boundary (zero1) or every
         # micro batch (zero2, whose gradients are partitioned); after the step it all-gathers the updated 16-bit
@@ -57,7 +58,7 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
         reduces = acc if "grads" in s.shards else 1
         # (bf16 with fp32 accumulation: zero1 is DeepSpeed's BF16_Optimizer, which all-reduces its fp32
         # gradients at the boundary, the same volume)
-        return [Collective("all-reduce gradients", "all", 2 * ring(n) * gb * P * reduces, True),
+        return [Collective("all-reduce gradients", "all", 2 * ring(n) * gb * T * reduces, True),
                 Collective("all-gather updated parameters", "all",
                            ring(n) * cb * _deepspeed_flat_elements(_shapes(model, trainable_only=True), n), False)]
     if s.traffic == "gather_per_use":  # ZeRO-3, every micro batch: reduce-scatter everything, all-gather

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from zerodp.models.chunking import CHECKPOINTING, loss_chunks
+from zerodp.planner.lora import adapter_activation_bytes
 from zerodp.planner.units import COMPUTE_BYTES
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ def autocast_copy_bytes(m: ModelSpec, precision: str, autocast: bool) -> int:
     kept for the backward: 2 bytes per parameter that multiplies (every one but a lookup-only embedding)."""
     if not autocast or precision == "fp32":
         return 0
+    if m.lora is not None:  # the frozen base is stored in the compute dtype: only the fp32 adapters are cast
+        return 2 * m.trainable_params
     lookups = m.vocab_size * m.hidden if m.arch is not None and not m.arch.tied else 0
     return 2 * (m.params - lookups)
 
@@ -157,4 +160,5 @@ def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool | str, cuda:
         layers = m.n_layer * one_layer
     head = head_loss_bytes(m, b * s, w.precision, w.loss_chunks, autocast)
     copies = autocast_copy_bytes(m, w.precision, autocast)
-    return int(layers) + head + copies + document_mask_bytes(m, w, cuda)
+    adapters = adapter_activation_bytes(m, w, mode)  # a LoRA run's x A products (zerodp.planner.lora)
+    return int(layers) + head + copies + adapters + document_mask_bytes(m, w, cuda)

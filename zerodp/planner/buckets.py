@@ -50,7 +50,8 @@ def bf16_optimizer(stage: int, precision: str, grad_reduce_dtype: str) -> bool:
 
 
 def bucket_bytes(stage: int, hidden: int, params: int, precision: str, grad_reduce_dtype: str,
-                 offload_optimizer: bool, bucket_mb: Optional[int] = None, largest_param: int = 0) -> int:
+                 offload_optimizer: bool, bucket_mb: Optional[int] = None, largest_param: int = 0,
+                 trainable: Optional[int] = None) -> int:
     """Bytes the reduction buffers hold at their peak on one rank (world size > 1):
 
     * zero1/2 (DeepSpeedZeroOptimizer): two reduce buckets (one fills while the other is reduced,
@@ -58,11 +59,14 @@ def bucket_bytes(stage: int, hidden: int, params: int, precision: str, grad_redu
       gradients' under zero2;
     * zero1 as BF16_Optimizer: no buckets; at the boundary the engine all-reduces the fp32 gradients
       through flat copies of at most 5e8 elements;
-    * zero3: one reduce bucket in the communication dtype."""
+    * zero3: one reduce bucket in the communication dtype.
+
+    The buckets are sized from `params`, as zerodp.strategies.deepspeed_config sizes them; BF16_Optimizer's
+    flat copies hold gradients, of the `trainable` parameters only (a LoRA run's adapters; None: `params`)."""
     elements = deepspeed_buckets(stage, hidden, params, precision, bucket_mb, largest_param)["reduce_bucket_size"]
     fp32 = precision == "fp32" or grad_reduce_dtype == "fp32"
     if bf16_optimizer(stage, precision, grad_reduce_dtype) and not offload_optimizer:
-        return 4 * min(params, ALLREDUCE_FALLBACK_ELEMENTS)
+        return 4 * min(params if trainable is None else trainable, ALLREDUCE_FALLBACK_ELEMENTS)
     if stage == 3:
         return elements * (4 if fp32 else 2)
     # ZeRO-1 stages the fp32 accumulator in its buckets, ZeRO-2 the 16-bit gradients (stage_1_and_2.py)

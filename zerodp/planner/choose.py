@@ -54,13 +54,17 @@ class Plan:
     """Rows that change the numerics (zero3+zero++) were not eligible (strategy: auto)."""
     async_save: bool = False
     """checkpoint.async_save (or --async-save): the table shows each row's snapshot host memory per node."""
+    full_fine_tuning: Optional[list[MemoryEstimate]] = None
+    """A LoRA plan's rows for the same model fully fine-tuned, shown beside them (`zerodp plan`); None
+    otherwise."""
 
     def snapshot_bytes_per_node(self, e: MemoryEstimate) -> int:
-        """Host memory per node of one copy of each rank's checkpoint (checkpoint.async_save) for row `e`."""
+        """Host memory per node of one copy of each rank's checkpoint (checkpoint.async_save) for row `e`: a
+        LoRA checkpoint holds the adapters and their optimizer state only."""
         from zerodp.planner.snapshot import host_bytes_per_node
 
         c = self.cluster
-        return host_bytes_per_node(self.model.params, e.strategy, c.world_size, c.gpus_per_node,
+        return host_bytes_per_node(self.model.trainable_params, e.strategy, c.world_size, c.gpus_per_node,
                                    self.workload.precision, hybrid=e.name == spec(e.strategy).hybrid_row)
 
     @property

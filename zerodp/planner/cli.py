@@ -11,9 +11,11 @@ import json
 
 from zerodp.errors import UserError
 from zerodp.models.chunking import checkpointing_mode
+from zerodp.models.lora_spec import lora_spec
 from zerodp.planner.choose import choose
 from zerodp.planner.hardware import GPUS, INTERCONNECTS, MFU, Cluster, GpuSpec, gpu_preset
 from zerodp.planner.hf_config import SUPPORTED as HF_MODEL_TYPES
+from zerodp.planner.lora import with_lora, without_lora
 from zerodp.planner.memory import Workload
 from zerodp.planner.models import PRESETS, preset, spec_from_hf_config, spec_from_model_config, spec_from_params
 from zerodp.planner.units import parse_bytes, parse_count
@@ -46,6 +48,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--hidden", type=int, help="with --params: hidden width")
     m.add_argument("--heads", type=int, help="with --params: attention heads")
     m.add_argument("--vocab", type=int, help="with --params: vocabulary size (default 32000)")
+    a = p.add_argument_group("adapters (LoRA: the base frozen, low-rank adapters trained; shown beside full "
+                             "fine-tuning)")
+    a.add_argument("--lora-rank", type=int, metavar="R", help="train rank-R adapters (with --config: the override "
+                   "model.lora.rank=R; a config with model.lora is planned with its adapters anyway)")
+    a.add_argument("--lora-targets", metavar="NAMES", help="with --lora-rank: the adapted linear layers by their "
+                   "Hugging Face names, comma-separated, e.g. q_proj,v_proj (default all-linear)")
+    a.add_argument("--lora-alpha", type=float, metavar="A", help="with --lora-rank: the scale's numerator "
+                   "(default 2 x rank; memory does not depend on it)")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
     h.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
@@ -102,6 +112,7 @@ def _model(args):
         raise UserError(f"overrides {' '.join(args.overrides)} need --config CONFIG.yaml to apply to")
     if args.params is None and any(v is not None for v in (args.layers, args.hidden, args.heads, args.vocab)):
         raise UserError("--layers/--hidden/--heads/--vocab describe a --params model; add --params N")
+    lora = _lora_settings(args)
     if args.config is not None:
         from zerodp.config import load_config  # imports yaml only
         # --micro-batch is an override, so the batch is split and validated exactly as `zerodp train` would
@@ -109,13 +120,41 @@ def _model(args):
         micro += [f"train.global_batch_size={args.global_batch}"] if args.global_batch is not None else []
         if args.global_batch is not None and args.micro_batch is None:
             micro.append("train.micro_batch_size=auto")  # --global-batch alone searches the micro batch
+        micro += [f"model.lora.{k}={v}" for k, v in lora.items()]  # checked with the config, as zerodp train would
         cfg = load_config(args.config, list(args.overrides) + micro)
         return spec_from_model_config(cfg.model, name=args.config), cfg
     if args.hf_config is not None:
-        return spec_from_hf_config(args.hf_config), None
-    if args.model is not None:
-        return preset(args.model), None
-    return spec_from_params(parse_count(args.params), args.layers, args.hidden, args.heads, args.vocab), None
+        model = spec_from_hf_config(args.hf_config)
+    elif args.model is not None:
+        model = preset(args.model)
+    else:
+        model = spec_from_params(parse_count(args.params), args.layers, args.hidden, args.heads, args.vocab)
+    if lora:
+        model = with_lora(model, lora_spec(lora, where="--lora"), where="--lora-targets")
+    return model, None
+
+
+def _lora_settings(args) -> dict:
+    """model.lora's settings from --lora-rank, --lora-targets, --lora-alpha ({} without --lora-rank)."""
+    if args.lora_rank is None:
+        given = [f for f, v in (("--lora-targets", args.lora_targets), ("--lora-alpha", args.lora_alpha))
+                 if v is not None]
+        if given:
+            raise UserError(f"{' and '.join(given)} describe adapters; add --lora-rank R (e.g. --lora-rank 16)")
+        return {}
+    _positive("--lora-rank", args.lora_rank, "the adapters' rank", 16)
+    if args.lora_alpha is not None and args.lora_alpha <= 0:
+        raise UserError(f"--lora-alpha {args.lora_alpha:g} must be positive (2 x rank = {2 * args.lora_rank} is "
+                        "the usual start)")
+    out: dict = {"rank": args.lora_rank}
+    if args.lora_alpha is not None:
+        out["alpha"] = args.lora_alpha
+    if args.lora_targets is not None:
+        targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+        if not targets:
+            raise UserError(f"--lora-targets {args.lora_targets!r} names no module; e.g. --lora-targets q_proj,v_proj")
+        out["targets"] = "[" + ", ".join(targets) + "]" if args.config is not None else targets
+    return out
 
 
 def _check_grad_accum(args, cfg, world_size: int) -> None:
@@ -208,6 +247,9 @@ def build(args):
         notes.append(f"layer shape guessed from the parameter count ({model.n_layer} layers, hidden {model.hidden}); "
                      "pass --layers and --hidden for exact activations")
     plan = choose(model, cluster, workload, ckpt, global_batch=global_batch)
+    if model.lora is not None:  # the same rows fully fine-tuned, beside the adapters'
+        full = choose(without_lora(model), cluster, workload, ckpt, global_batch=global_batch)
+        plan.full_fine_tuning = full.estimates
     plan.assumptions.extend(notes)
     plan.async_save = args.async_save or bool(cfg is not None and cfg.checkpoint.async_save)
     return plan

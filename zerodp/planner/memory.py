@@ -22,6 +22,7 @@ from zerodp.planner.activations import (  # noqa: F401  (activations' formulas, 
 )
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
 from zerodp.planner.hardware import Cluster
+from zerodp.planner.lora import block_adapter_params, flops_per_token as lora_flops_per_token, frozen_bytes
 from zerodp.planner.models import ModelSpec
 from zerodp.planner.persistence import persistent_param_bytes
 from zerodp.planner.traffic import collective_seconds, collectives, inter_node_sent
@@ -143,6 +144,9 @@ class MemoryEstimate:
     model_states_bytes: int
     """params + grads + optimizer states resident on the GPU: the ZeRO paper's figure (16P, 4P + 12P/N,
     2P + 14P/N, 16P/N), however the engine splits it between the three fields above."""
+    frozen_bytes: int
+    """Of params_bytes, the frozen base of a LoRA run (compute dtype, sharded under zero3/fsdp); 0 in full
+    fine-tuning (zerodp.planner.lora)."""
     engine_master_bytes: int
     """DeepSpeed (zero1-3) in fp32: the separate fp32 master copy of this rank's shard (4P/N) that the
     optimizer steps and copies back, on top of the fp32 parameters; 0 otherwise."""
@@ -248,19 +252,24 @@ def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
     """(device, host) bytes one rank holds at its start-up peak, overhead left out. Every strategy builds
     the model on the meta device and materialises only what the rank keeps, initialised in chunks of
     its own range (negligible); loading a checkpoint reads one full fp32 tensor at a time into host
-    memory (4 * largest_param, counted for every row: a run may resume). docs/memory_model.md, "Start-up"."""
-    P, s, w = model.params, layout.spec.startup, layout.workload
-    c, shard = COMPUTE_BYTES[w.precision], math.ceil(model.params / layout.cluster.world_size)
+    memory (4 * largest_param, counted for every row: a run may resume). A LoRA run's frozen base is
+    materialised in the compute dtype, with no master copy, gradient or bucket (zerodp.planner.lora).
+    docs/memory_model.md, "Start-up"."""
+    P, T, s, w = model.params, model.trainable_params, layout.spec.startup, layout.workload
+    n = layout.cluster.world_size
+    c, shard, tshard = COMPUTE_BYTES[w.precision], math.ceil(P / n), math.ceil(T / n)
+    frozen_shard = c * math.ceil(model.frozen_params / n)  # a LoRA run's base, in the compute dtype
     oo, op, load = layout.offload_optimizer, layout.offload_params, 4 * model.largest_param
-    master = 4 * shard  # DeepSpeed's fp32 master partition
+    master = 4 * tshard  # DeepSpeed's fp32 master partition
     if s == "fp32_module":
-        return 4 * P, load
+        return 4 * T + c * model.frozen_params, load
     if s == "fp32_module_buckets":  # the reducer allocates its fp32 flat buckets when it wraps the model
-        return 8 * P, load
+        return 8 * T + c * model.frozen_params, load
     if s == "fp32_shards":  # fully_shard on the meta model, then to_empty: fp32 shards only (offload: on host)
-        return (0, load + 4 * shard) if oo or op else (4 * shard, load)
-    if s == "16bit_module":  # module built in the compute dtype; groups flattened through host RAM
-        return c * P + (0 if oo else master), load + c * P + (master if oo else 0)
+        shards = 4 * tshard + frozen_shard
+        return (0, load + shards) if oo or op else (shards, load)
+    if s == "16bit_module":  # module built in the compute dtype; the optimizer's groups flattened through host RAM
+        return c * P + (0 if oo else master), load + c * T + (master if oo else 0)
     assert s == "zero_init_partitions", s
     # partitions made as zero.Init creates each module (in fp32, then cast: one module at a time);
     # at initialize the engine copies them into one flat buffer (the old copies are freed), makes the
@@ -268,10 +277,10 @@ def startup_states(model: ModelSpec, layout: Layout) -> tuple[int, int]:
     # (in the compute dtype) and a reduce bucket, all before the first step. Measured on CPU ranks:
     # benchmarks/startup_memory.py. With offload the partitions / master and gradients live on the host.
     part = 0 if op else c * shard
-    dev_master, dev_grads = (0, 0) if oo else (master, grad_bytes(w.precision, w.grad_reduce_dtype) * shard)
+    dev_master, dev_grads = (0, 0) if oo else (master, grad_bytes(w.precision, w.grad_reduce_dtype) * tshard)
     bucket = bucket_bytes(3, model.hidden, P, w.precision, w.grad_reduce_dtype, oo, w.bucket_mb, model.largest_param)
     created = 4 * max(model.largest_block_params, model.largest_param)
-    host = (c * shard if op else 0) + (master + 4 * shard if oo else 0)
+    host = (c * shard if op else 0) + (master + 4 * tshard if oo else 0)
     return part + dev_master + dev_grads + bucket + created, load + host
 
 
@@ -280,22 +289,27 @@ def train_flops_per_token(model: ModelSpec, seq_len: int) -> float:
     lookups excluded) plus attention's QK^T and AV, 12 * L * s * q_dim (PaLM, appendix B): the
     architecture's own count (`Arch.flops_per_token`, the MFU figure of `zerodp train`), or for a
     --params guess 6 P + the attention term."""
-    if model.arch is not None:
-        return float(model.arch.flops_per_token(seq_len))
+    if model.arch is not None:  # a LoRA run computes no weight gradient for its frozen base
+        return lora_flops_per_token(model, float(model.arch.flops_per_token(seq_len)), seq_len)
     return 6.0 * model.active_params + 12.0 * model.n_layer * seq_len * model.q_dim
 
 
 def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
-    """Per-GPU memory and predicted step time of running `model` as `layout` says. Memory, traffic and
-    the optimizer step use every parameter (`model.params`); compute uses `model.active_params`."""
+    """Per-GPU memory and predicted step time of running `model` as `layout` says. Memory and the
+    parameter all-gathers use every parameter (`model.params`); gradients, optimizer states, their
+    reduction and the optimizer step the trained ones (`model.trainable_params`: a LoRA run's adapters,
+    the frozen base priced apart, zerodp.planner.lora); compute uses `model.active_params`."""
     c, w = layout.cluster, layout.workload
     n, P, ac = c.world_size, model.params, layout.activation_checkpointing
+    T = model.trainable_params  # P in full fine-tuning
     cb = COMPUTE_BYTES[w.precision]
     s = layout.spec
     hsdp = layout.hybrid and s.hybrid_shard  # shards over the node's GPUs only
     if hsdp:
         n = c.gpus_per_node
-    params_b, grads_b, optim_b, master_b = engine_states(P, n, layout.strategy, w.precision)
+    params_b, grads_b, optim_b, master_b = engine_states(T, n, layout.strategy, w.precision)
+    frozen_b = frozen_bytes(model, n, "params" in s.shards, w.precision)  # no gradient, no optimizer state
+    params_b += frozen_b
     hpz, qwz, qgz = layout.zeropp
     secondary = cb * math.ceil(P / c.gpus_per_node) if hpz else 0
 
@@ -304,26 +318,29 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         # CPUOffloadPolicy moves the fp32 parameter shards (the master weights), gradients and moments
         offloaded, params_b, grads_b, optim_b = params_b + grads_b + optim_b, 0, 0, 0
     elif layout.offload_optimizer:  # fp32 master + Adam moments and the fp32 gradient shard live on CPU
-        offloaded += 16 * math.ceil(P / n)
+        offloaded += 16 * math.ceil(T / n)
         optim_b, master_b = 0, 0
         grads_b = grads_b if s.zero_stage == 1 else 0  # ZeRO-1 keeps its gradients whole on the GPU
     if layout.offload_params and "params" in s.shards and not s.offload_together:
-        offloaded += params_b if w.precision != "fp32" else 0  # in fp32 the master copy is the param
+        offloaded += params_b if w.precision != "fp32" else frozen_b  # in fp32 the master copy is the param
         params_b = 0
     if s.layout == "deepspeed" and w.precision == "bf16" and w.grad_reduce_dtype == "fp32":  # fp32 accumulation:
         # zero1 a full fp32 buffer beside the bf16 gradients (BF16_Optimizer; with offload `grad_accum`),
         # zero2/3 their gradient partition in fp32 instead of bf16
-        grads_b = grads_b + 4 * P if s.zero_stage == 1 else 2 * grads_b
+        grads_b = grads_b + 4 * T if s.zero_stage == 1 else 2 * grads_b
     states = params_b + grads_b + optim_b
     # FSDP2 without gradient sync keeps every unit's unsharded fp32 gradient until the last micro batch.
     deferred = s.defer_grad_reduce and w.fsdp_defer_grad_reduce and w.grad_accum_steps > 1
-    unsharded = 4 * P if deferred else 0
+    unsharded = 4 * T if deferred else 0
 
     sharded = s.gathers_in_forward
-    gathered = model.largest_unit_params * (2 * cb + cb) if sharded and n > 1 else 0  # 2 units + grads
+    # 2 units, and the gradients of one: under LoRA the unit's adapters beside its base, gradients for them only
+    unit_lora = block_adapter_params(model)
+    unit_grads = unit_lora if model.lora is not None else model.largest_unit_params
+    gathered = ((model.largest_unit_params + unit_lora) * 2 * cb + unit_grads * cb) if sharded and n > 1 else 0
     # zerodp's DDP uses gradient_as_bucket_view: its buckets are the gradients, counted above.
     buckets = bucket_bytes(s.zero_stage, model.hidden, P, w.precision, w.grad_reduce_dtype, layout.offload_optimizer,
-                           w.bucket_mb, model.largest_param) if s.bucket_copies and n > 1 else 0
+                           w.bucket_mb, model.largest_param, trainable=T) if s.bucket_copies and n > 1 else 0
     acts = activation_bytes(model, w, ac, c.gpu.cuda, autocasts(layout))
     overhead = CUDA_OVERHEAD if c.gpu.cuda else 0
     # Without accumulation an engine that frees its gradients after the step peaks either with the
@@ -358,7 +375,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     exposed_s = max(0.0, overlap_s - window) + waited_s
     offload_s = 0.0
     if offloaded:  # CPU Adam on this node's shards, plus gradients down and params up over PCIe
-        offload_s = P / n * c.gpus_per_node / CPU_ADAM_PARAMS_PER_S + (4 + cb) * P / n / PCIE_BYTES_PER_S
+        offload_s = T / n * c.gpus_per_node / CPU_ADAM_PARAMS_PER_S + (4 + cb) * T / n / PCIE_BYTES_PER_S
         if layout.offload_params:  # each micro batch fetches the parameter shard, forward and backward
             offload_s += 2 * cb * P / n * w.grad_accum_steps / PCIE_BYTES_PER_S
     step_s = compute_s + exposed_s + offload_s
@@ -367,6 +384,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         name=layout.name, strategy=layout.strategy, offload_optimizer=layout.offload_optimizer,
         offload_params=layout.offload_params, activation_checkpointing=ac,
         params_bytes=params_b, grads_bytes=grads_b, optimizer_bytes=optim_b, model_states_bytes=states,
+        frozen_bytes=0 if params_b == 0 else frozen_b,
         engine_master_bytes=master_b, unsharded_grads_bytes=unsharded, secondary_bytes=secondary,
         persistent_bytes=persistent,
         gathered_bytes=gathered, bucket_bytes=buckets, activations_bytes=acts, overhead_bytes=overhead,

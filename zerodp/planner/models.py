@@ -18,7 +18,9 @@ from zerodp.models import FAMILY_PACKAGES
 from zerodp.models.arch import Arch, arch_of, spec_of
 from zerodp.models.gpt2.spec import gpt2_arch
 from zerodp.models.llama.spec import llama_arch
+from zerodp.models.lora_spec import LoraSpec, lora_spec
 from zerodp.planner.hf_config import arch_from_hf, read_hf_config
+from zerodp.planner.lora import with_lora
 from zerodp.planner.units import lookup
 
 
@@ -28,7 +30,8 @@ class ModelSpec:
 
     name: str
     params: int
-    """Trainable parameters, a tied embedding counted once, every expert included: what memory holds."""
+    """Every parameter memory holds, a tied embedding counted once, every expert included, a LoRA run's
+    adapters included."""
     n_layer: int
     hidden: int
     n_head: int
@@ -64,6 +67,11 @@ class ModelSpec:
     experts): what loading a checkpoint holds in host memory at once. 0: `largest_unit_params`."""
     largest_block_params: int = 0
     """Elements of the largest transformer block. 0: `largest_unit_params`."""
+    trainable_params: Optional[int] = None
+    """Parameters that get gradients and optimizer states: a LoRA run's adapters (`zerodp.planner.lora`), the
+    rest frozen. None: `params` (full fine-tuning)."""
+    lora: Optional[LoraSpec] = None
+    """The adapters' settings of a LoRA run (`zerodp.planner.lora.with_lora`); None: full fine-tuning."""
 
     def __post_init__(self):
         for name in ("largest_param", "largest_block_params"):  # unknown: the larger bound, never less
@@ -73,6 +81,13 @@ class ModelSpec:
             object.__setattr__(self, "active_params", self.params)
         if self.q_dim is None:
             object.__setattr__(self, "q_dim", self.hidden)
+        if self.trainable_params is None:
+            object.__setattr__(self, "trainable_params", self.params)
+
+    @property
+    def frozen_params(self) -> int:
+        """Parameters without gradients or optimizer states: a LoRA run's base model; 0 in full fine-tuning."""
+        return self.params - self.trainable_params
 
 
 def spec_from_arch(a: Arch, name: str, dropout: bool = False) -> ModelSpec:
@@ -94,8 +109,11 @@ def gpt_param_count(model_cfg) -> int:
 
 
 def spec_from_model_config(model_cfg, name: str = "zerodp model") -> ModelSpec:
-    """The ModelSpec of zerodp's model described by a `ModelConfig` section (either family)."""
-    return spec_from_arch(arch_of(model_cfg), name, model_cfg.dropout > 0)
+    """The ModelSpec of zerodp's model described by a `ModelConfig` section (either family), with its
+    adapters frozen and trainable apart when `model.lora` is set (`zerodp.planner.lora.with_lora`)."""
+    model = spec_from_arch(arch_of(model_cfg), name, model_cfg.dropout > 0)
+    spec = lora_spec(getattr(model_cfg, "lora", None))
+    return with_lora(model, spec) if spec is not None else model
 
 
 def gpt2_spec(name: str, n_layer: int, n_head: int, n_embd: int, vocab_size: int = 50257,

@@ -5,14 +5,17 @@ The JSON field names are a stable interface, documented in docs/memory_model.md.
 
 from __future__ import annotations
 
+from zerodp.planner.lora import comparison_lines, describe
 from zerodp.planner.memory import MARGIN
 from zerodp.planner.units import gb, human_count, seconds
 
 SCHEMA_VERSION = 2
 
-_COLUMNS = ("strategy", "micro", "accum", "ckpt", "params", "grads", "optim", "extra", "buffers", "activ", "overhd",
-            "total", "startup", "fits", "headroom", "comm/step", "inter/node", "step", "tok/s/gpu", "effic", "cpu/node")
-"""Column names; on CPU ranks 'tok/s/gpu' reads 'tok/s/rank' (`_column_names`)."""
+_COLUMNS = ("strategy", "micro", "accum", "ckpt", "frozen", "params", "grads", "optim", "extra", "buffers", "activ",
+            "overhd", "total", "startup", "fits", "headroom", "comm/step", "inter/node", "step", "tok/s/gpu", "effic",
+            "cpu/node")
+"""Column names; on CPU ranks 'tok/s/gpu' reads 'tok/s/rank' (`_column_names`); 'frozen' (a LoRA run's base
+weights, 'params' then the adapters') only under LoRA, 'inter/node' only across nodes."""
 
 
 _SEARCH_FIELDS = ("micro_batch", "grad_accum_steps", "activation_checkpointing", "fits", "total_bytes", "step_s",
@@ -29,8 +32,11 @@ def _header(plan) -> list[str]:
     nodes = f"{c.nodes} nodes x {c.gpus_per_node}" if c.nodes > 1 else f"1 node x {c.gpus_per_node}"
     ckpt = "planner's choice" if plan.requested_checkpointing is None else plan.requested_checkpointing
     active = f", {human_count(m.active_params)} active per token" if m.active_params != m.params else ""
+    lora = [f"adapters: {describe(m)}; params, grads, optim: the adapters'; frozen: the base weights in "
+            f"{plan.workload.precision} (sharded under zero3 and fsdp)"] if m.lora is not None else []
     return [
         f"zerodp plan: {m.name}, {human_count(m.params)} parameters ({m.params:,}{active}; {shape})",
+        *lora,
         f"cluster: {c.world_size} x {c.gpu.name} {gb(c.gpu.hbm_bytes)} ({nodes}), {c.link}, "
         f"MFU {c.mfu:.0%}" + (f", CPU RAM {gb(c.cpu_ram_bytes)}/node" if c.cpu_ram_bytes else ""),
         (f"step: global batch {plan.global_batch} sequences x {w.seq_len} tokens, micro batch searched among the "
@@ -53,7 +59,7 @@ def _cells(e) -> list[str]:
     g = lambda b: f"{b / 1e9:.1f}"  # noqa: E731
     return [
         e.name, str(e.micro_batch), str(e.grad_accum_steps), CKPT_COLUMN.get(e.activation_checkpointing, "off"),
-        g(e.params_bytes), g(e.grads_bytes),
+        g(e.frozen_bytes), g(e.params_bytes - e.frozen_bytes), g(e.grads_bytes),
         g(e.optimizer_bytes), g(e.engine_master_bytes + e.unsharded_grads_bytes + e.secondary_bytes
                                  + e.persistent_bytes),
         g(e.gathered_bytes + e.bucket_bytes), g(e.activations_bytes),
@@ -70,20 +76,28 @@ def _column_names(plan) -> list[str]:
     return names + ["async/node"] if plan.async_save else names
 
 
+def _drop(rows: list[list[str]], column: str) -> list[list[str]]:
+    i = rows[0].index(column)
+    return [r[:i] + r[i + 1:] for r in rows]
+
+
 def render_table(plan) -> str:
     """The header, one row per strategy, then the choice and one sentence per rejected option."""
     # checkpoint.async_save: the snapshot's host memory per node, beside the offloaded states'
     rows = [_column_names(plan)] + [_cells(e) + ([f"{plan.snapshot_bytes_per_node(e) / 1e9:.1f}"]
                                                  if plan.async_save else []) for e in plan.estimates]
     if plan.cluster.nodes == 1:  # nothing crosses nodes
-        drop = _COLUMNS.index("inter/node")
-        rows = [r[:drop] + r[drop + 1:] for r in rows]
+        rows = _drop(rows, "inter/node")
+    if plan.model.lora is None:  # full fine-tuning: nothing is frozen
+        rows = _drop(rows, "frozen")
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = _header(plan) + [""]
     for r in rows:
         lines.append("  ".join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
                                for i in range(len(r))).rstrip())
     lines.append("")
+    if plan.full_fine_tuning is not None:
+        lines += comparison_lines(plan.estimates, plan.full_fine_tuning) + [""]
     lines += plan.reasons
     lines += [f"note: {a}" for a in plan.assumptions]
     return "\n".join(lines)
@@ -97,6 +111,8 @@ def plan_dict(plan) -> dict:
         "model": m.name,
         "params": m.params,
         "active_params": m.active_params,
+        "trainable_params": m.trainable_params,
+        "lora": m.lora.to_dict() if m.lora is not None else None,
         "shape": {"n_layer": m.n_layer, "hidden": m.hidden, "n_head": m.n_head, "vocab_size": m.vocab_size,
                   "ffn_hidden": m.ffn_hidden, "kv_dim": m.kv_dim, "context": m.context, "assumed": m.shape_assumed},
         "cluster": {"gpu": c.gpu.name, "hbm_bytes": c.gpu.hbm_bytes, "gpus_per_node": c.gpus_per_node,
@@ -124,4 +140,5 @@ def plan_dict(plan) -> dict:
         "async_save": plan.async_save,
         "strategies": [dict(e.to_dict(), async_save_host_bytes_per_node=plan.snapshot_bytes_per_node(e))
                        for e in plan.estimates],
+        "full_fine_tuning": None if plan.full_fine_tuning is None else [e.to_dict() for e in plan.full_fine_tuning],
     }

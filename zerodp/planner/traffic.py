@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from zerodp.planner.buckets import grad_bytes
 from zerodp.planner.hardware import Cluster
+from zerodp.planner.lora import param_shapes, trainable_shapes
 from zerodp.planner.models import ModelSpec
 from zerodp.planner.units import COMPUTE_BYTES
 
@@ -36,17 +37,20 @@ class Collective:
 def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
     """What each GPU sends per optimizer step, as the engines send it (measured by zerodp.telemetry.comm;
     docs/memory_model.md, "Communication per step"). Sizes include each engine's padding; the few scalar
-    all-reduces of a step (gradient norm, overflow check) are left out."""
+    all-reduces of a step (gradient norm, overflow check) are left out. A LoRA run reduces the adapters'
+    gradients only, and DeepSpeed zero1/2 all-gather only the adapters they update; zero3 and fsdp gather the
+    frozen base too (zerodp.planner.lora)."""
     c, w = layout.cluster, layout.workload
     n, g = c.world_size, c.gpus_per_node
     if n == 1:
         return []
     ring = lambda size: (size - 1) / size  # noqa: E731
-    cb, P, acc, s = COMPUTE_BYTES[w.precision], model.params, w.grad_accum_steps, layout.spec
+    cb, acc, s = COMPUTE_BYTES[w.precision], w.grad_accum_steps, layout.spec
+    T = model.trainable_params  # what gets gradients: every parameter, or a LoRA run's adapters
     gb = grad_bytes(w.precision, w.grad_reduce_dtype)  # ZeRO's gradient reduction (strategy.grad_reduce_dtype)
     if s.traffic == "all_reduce":  # once per step (no_sync while accumulating) during backward; zerodp's DDP
         # keeps fp32 gradients (autocast over fp32 parameters)
-        return [Collective("all-reduce fp32 gradients", "all", 2 * ring(n) * 4 * P, True)]
+        return [Collective("all-reduce fp32 gradients", "all", 2 * ring(n) * 4 * T, True)]
     if s.traffic == "reduce_then_gather":  # DeepSpeed all-reduces the gradients
         # (use_multi_rank_bucket_allreduce), each rank keeping its partition: at the boundary (zero1) or every
         # micro batch (zero2, whose gradients are partitioned); after the step it all-gathers the updated 16-bit
@@ -54,15 +58,21 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
         reduces = acc if "grads" in s.shards else 1
         # (bf16 with fp32 accumulation: zero1 is DeepSpeed's BF16_Optimizer, which all-reduces its fp32
         # gradients at the boundary, the same volume)
-        return [Collective("all-reduce gradients", "all", 2 * ring(n) * gb * P * reduces, True),
+        return [Collective("all-reduce gradients", "all", 2 * ring(n) * gb * T * reduces, True),
                 Collective("all-gather updated parameters", "all",
-                           ring(n) * cb * _deepspeed_flat_elements(model, n), False)]
+                           ring(n) * cb * _deepspeed_flat_elements(_shapes(model, trainable_only=True), n), False)]
     if s.traffic == "gather_per_use":  # ZeRO-3, every micro batch: reduce-scatter everything, all-gather
         # the parameters above the persistence threshold in forward, and in backward again those released in
         # between (reuse distance); the persistent ones are gathered once per step, after the optimizer step
         persistent, gathered, regathered = _zero3_elements(model, n, w.zero3_persistence_threshold,
                                                            w.zero3_keep_window)
-        after_step = Collective("all-gather persistent parameters", "all", ring(n) * cb * persistent, False)
+        reduced = persistent + gathered  # what gets gradients: under LoRA the adapters' elements alone
+        updated = persistent  # the persistent parameters the step changed, gathered again after it
+        if model.lora is not None:
+            a_persistent, a_gathered, _ = _zero3_elements(model, n, w.zero3_persistence_threshold,
+                                                          w.zero3_keep_window, trainable_only=True)
+            reduced, updated = a_persistent + a_gathered, a_persistent
+        after_step = Collective("all-gather persistent parameters", "all", ring(n) * cb * updated, False)
         hpz, qwz, qgz = layout.zeropp
         # ZeRO++: the forward all-gather in int8 (qwZ; one fp32 scale per block, counted per 2048 elements: an
         # upper bound, DeepSpeed 0.19 quantises blocks of up to ~8k), the backward one
@@ -74,12 +84,11 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
                           "node" if hpz else "all", ring(g if hpz else n) * cb * acc * regathered, True)]
         if qgz:
             out += [Collective("all-to-all int4 gradients within the node", "node",
-                               ring(g) * 0.5 * acc * (persistent + gathered), True),
+                               ring(g) * 0.5 * acc * reduced, True),
                     Collective("all-to-all int4 gradients across nodes", "replicas",
-                               ring(c.nodes) * 0.5 * acc * (persistent + gathered) / g, True)]
+                               ring(c.nodes) * 0.5 * acc * reduced / g, True)]
         else:
-            out.append(Collective("reduce-scatter gradients", "all",
-                                  ring(n) * gb * acc * (persistent + gathered), True))
+            out.append(Collective("reduce-scatter gradients", "all", ring(n) * gb * acc * reduced, True))
         return out + [after_step]
     assert s.traffic == "gather_per_unit", s.traffic
     # FSDP2: every micro batch all-gathers each unit in forward (compute dtype) and, where resharded after
@@ -89,6 +98,8 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
     shard = g if layout.hybrid else n
     every, blocks = _fsdp_elements(model, shard)
     gathered = every + (blocks if w.fsdp_reshard_after_forward else 0)
+    if model.lora is not None:  # the reduce-scatter carries the adapters' gradients only
+        every, _ = _fsdp_elements(model, shard, trainable_only=True)
     reduces = 1 if w.fsdp_defer_grad_reduce else acc
     group = "node" if layout.hybrid else "all"
     out = [Collective("all-gather parameters (forward, backward)", group, ring(shard) * acc * cb * gathered, True),
@@ -124,61 +135,71 @@ def inter_node_sent(x: Collective, cluster: Cluster) -> float:
     return x.sent * (cluster.gpus_per_node if x.group == "replicas" else 1)
 
 
-def _shapes(model: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every parameter's shape; for a --params guess (no architecture) one flat tensor per transformer
-    block and the rest as one tensor."""
+def _shapes(model: ModelSpec, trainable_only: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape (a LoRA run's adapters included; `trainable_only`: the adapters alone); for
+    a --params guess (no architecture) one flat tensor per transformer block and the rest as one tensor."""
+    if trainable_only and model.lora is not None:
+        return trainable_shapes(model)
     if model.arch is not None:
-        return model.arch.param_shapes()
+        return param_shapes(model)
     blocks = {f"blocks.{i}": (model.largest_block_params,) for i in range(model.n_layer)}
     return {**blocks, "rest": (max(0, model.params - model.n_layer * model.largest_block_params),)}
 
 
-def _fsdp_elements(model: ModelSpec, n: int) -> tuple[int, int]:
-    """(all parameters, the blocks' parameters) as FSDP2 gathers them: dim 0 padded to a multiple of N."""
+def _fsdp_elements(model: ModelSpec, n: int, trainable_only: bool = False) -> tuple[int, int]:
+    """(all parameters, the blocks' parameters) as FSDP2 gathers them: dim 0 padded to a multiple of N;
+    `trainable_only`: of a LoRA run's adapters alone."""
     pad = lambda shape: -(-shape[0] // n) * n * math.prod(shape[1:]) if shape else 1  # noqa: E731
-    shapes = _shapes(model)
+    shapes = _shapes(model, trainable_only)
     prefix = model.arch.block_prefix + "." if model.arch is not None else "blocks."
     return (sum(pad(s) for s in shapes.values()),
             sum(pad(s) for name, s in shapes.items() if name.startswith(prefix)))
 
 
-def _zero3_elements(model: ModelSpec, n: int, threshold: int, keep_window: int) -> tuple[int, int, int]:
+def _zero3_elements(model: ModelSpec, n: int, threshold: int, keep_window: int,
+                    trainable_only: bool = False) -> tuple[int, int, int]:
     """(persistent, gathered, regathered) elements as ZeRO-3 partitions them, each parameter padded to a
     multiple of N. Parameters of at most `threshold` elements persist (stay gathered between uses).
     A block's others are released after its forward, and gathered again in backward, when the elements
     fetched in between (the later blocks forward and backward, and what is not in a block) exceed
     `keep_window`; otherwise they stay gathered until backward. What is not in a block (embeddings,
-    final norm, head) is counted as used before the first block, an upper bound for the head."""
+    final norm, head) is counted as used before the first block, an upper bound for the head.
+    `trainable_only`: the counts of a LoRA run's adapters alone (the reuse distances still the whole model's)."""
     shapes = _shapes(model)
+    wanted = _shapes(model, trainable_only) if trainable_only else shapes
     prefix = model.arch.block_prefix + "." if model.arch is not None else "blocks."
     persistent = 0
     blocks: dict[int, int] = {}  # block index -> its non-persistent elements
-    rest = 0
+    counted: dict[int, int] = {}  # ... of those wanted
+    rest = counted_rest = 0
     for name, shape in shapes.items():
         numel = math.prod(shape)
         padded = -(-numel // n) * n
+        counts = padded if name in wanted else 0
         if numel <= threshold:
-            persistent += padded
+            persistent += counts
         elif name.startswith(prefix):
             index = int(name[len(prefix):].split(".")[0])
             blocks[index] = blocks.get(index, 0) + padded
+            counted[index] = counted.get(index, 0) + counts
         else:
             rest += padded
+            counted_rest += counts
     regathered, later = 0, 0
     for index in sorted(blocks, reverse=True):
         if 2 * later + rest > keep_window:
-            regathered += blocks[index]
+            regathered += counted[index]
         later += blocks[index]
     if 2 * later + rest > keep_window:
-        regathered += rest
-    return persistent, sum(blocks.values()) + rest, regathered
+        regathered += counted_rest
+    return persistent, sum(counted.values()) + counted_rest, regathered
 
 
-def _deepspeed_flat_elements(model: ModelSpec, n: int) -> int:
+def _deepspeed_flat_elements(shapes: dict[str, tuple[int, ...]], n: int) -> int:
     """Elements of DeepSpeed zero1/2's flat 16-bit groups: zerodp.optim.param_groups' two groups
     (decayed matrices, the rest), each padded to a multiple of 2N (nccl_start_alignment_factor x N)."""
     groups = [0, 0]
-    for name, shape in _shapes(model).items():
+    for name, shape in shapes.items():
         embedding = name.endswith(("wte.weight", "wpe.weight", "embed_tokens.weight"))
         groups[0 if len(shape) >= 2 and not embedding else 1] += math.prod(shape)
     return sum(-(-g // (2 * n)) * 2 * n for g in groups)

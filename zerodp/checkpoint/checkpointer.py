@@ -71,7 +71,11 @@ class Checkpointer:
         the `init_from` weights with a fresh AdamW; return the trainer state ({} at step 0)."""
         if resume_from is not None:
             return store.load(self.strategy, resume_from, world_size)
-        if init_from:
+        if ((self.meta.get("config") or {}).get("model", {}).get("lora") or {}).get("init_from"):
+            from zerodp.convert.peft import load_start  # model.lora.init_from: adapters from a PEFT folder
+
+            load_start(self.strategy, init_from, self.meta["config"])
+        elif init_from:
             store.init_from(self.strategy, init_from)
         return {}
 

@@ -189,7 +189,6 @@ def lora_of(source: CheckpointSource, merged: bool) -> LoraSource:
 def peft_model(folder: str | Path, merged: bool) -> LoraSource:
     """The model of PEFT folder `folder`: its adapters over the base its adapter_config.json names
     (base_model_name_or_path: a folder zerodp reads, such as the base's Hugging Face export)."""
-    from zerodp.api import model_config_of
     from zerodp.convert import open_checkpoint
     from zerodp.convert.peft import read_adapters, read_config, spec_of_config
     from zerodp.models.arch import arch_of
@@ -203,8 +202,12 @@ def peft_model(folder: str | Path, merged: bool) -> LoraSource:
                         f"base_model_name_or_path) is not a folder here; set base_model_name_or_path to the base "
                         f"model's folder (a Hugging Face export or a zerodp checkpoint)")
     with open_checkpoint(base_path) as base_source:
-        model_cfg = model_config_of(base_source)
+        recorded = (base_source.meta.get("config") or {}).get("model")
         meta = {k: v for k, v in base_source.meta.items() if k in ("tokenizer", ORIGIN)}
+    if not recorded:
+        raise UserError(f"{folder}: its base model {base_path} records no model config (no config.json, no zerodp "
+                        f"metadata); set base_model_name_or_path to a Hugging Face model folder or zerodp checkpoint")
+    model_cfg = _model_config(recorded)
     spec = spec_of_config(config)
     adapters = read_adapters(folder, arch_of(model_cfg), spec, "PEFT folder")
     import dataclasses

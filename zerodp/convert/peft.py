@@ -229,3 +229,70 @@ def spec_of_config(config: dict) -> LoraSpec:
     targets = [targets] if isinstance(targets, str) else list(targets or [])
     return lora_spec({"rank": config.get("r"), "alpha": config.get("lora_alpha", 8), "targets": targets,
                       "dropout": float(config.get("lora_dropout") or 0.0)}, f"{ADAPTER_CONFIG}")
+
+
+# -- a run's start (model.lora.init_from) ------------------------------------------------------------
+
+def check_init_from(model_cfg) -> None:
+    """model.lora.init_from, when set, is a PEFT folder of this model's adapters (`check_adapters`, headers
+    only): checked at the run's start, before anything is written."""
+    from zerodp.models.arch import arch_of
+    from zerodp.models.lora_spec import lora_spec
+
+    spec = lora_spec(model_cfg.lora)
+    if spec is not None and spec.init_from:
+        check_adapters(spec.init_from, arch_of(model_cfg), spec)
+
+
+class AdapterStart:
+    """What a strategy's `load_full` receives for a run whose adapters start from a PEFT folder: the
+    adapters' tensors, and for every other parameter the base's (`base`, a FullState of model.init_from),
+    or without one the model's initial values for `seed` (what the run would start from anyway)."""
+
+    with_optimizer = False
+
+    def __init__(self, adapters: dict, base, model, seed: int):
+        self.adapters, self.base, self.model, self.seed = adapters, base, model, seed
+        self.source = base.source if base is not None else None
+
+    def get(self, name: str, kind: str, shape):
+        from zerodp.models.lora_spec import is_adapter
+
+        assert kind == "param", kind
+        if is_adapter(name):
+            t = self.adapters[name]
+        elif self.base is not None:
+            return self.base.get(name, kind, shape)
+        else:
+            t = self.model.initial_values(name, self.seed)
+        return t.reshape(tuple(shape))
+
+    def step(self, name: str) -> float:
+        return 0.0
+
+
+def load_start(strategy, init_from: str | None, config: dict) -> None:
+    """Collective: start the run `config` describes (a Config's dict) with its adapters from
+    model.lora.init_from (read_adapters) over its base (model.init_from's weights, else the seed's); a fresh
+    AdamW. Every strategy's `load_full` reads it as it reads a checkpoint."""
+    import contextlib
+
+    from zerodp.config import ModelConfig
+    from zerodp.models.arch import arch_of
+    from zerodp.models.lora_spec import lora_spec
+
+    model = config["model"]
+    model_cfg = ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__})
+    spec = lora_spec(model_cfg.lora)
+    adapters = read_adapters(spec.init_from, arch_of(model_cfg), spec)
+    core = strategy.model
+    while not hasattr(core, "initial_values") and hasattr(core, "module"):  # a DDP wrapper, a DeepSpeed engine
+        core = core.module
+    with contextlib.ExitStack() as stack:
+        base = None
+        if init_from:
+            from zerodp.convert import open_checkpoint
+            from zerodp.convert.full_state import FullState
+
+            base = FullState(stack.enter_context(open_checkpoint(init_from)), with_optimizer=False)
+        strategy.load_full(AdapterStart(adapters, base, core, int(config["train"]["seed"])))

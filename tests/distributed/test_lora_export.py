@@ -114,7 +114,8 @@ def test_peft_and_the_merged_export_compute_the_lora_model(exported, capsys):
     with torch.no_grad():
         plain = build_model(base_config(tmp / "run"), seed=1337)(idx)  # train.seed's initial weights: the base
     d_peft, d_merged = (peft - ours).abs().max().item(), (merged - peft).abs().max().item()
-    print(f"{family}: max |PEFT - zerodp| {d_peft:.2e}, max |merged - PEFT| {d_merged:.2e}")
+    with capsys.disabled():  # the figures, for `pytest -s`
+        print(f"\n{family}: max |PEFT - zerodp| {d_peft:.2e}, max |merged - PEFT| {d_merged:.2e}")
     assert d_peft < 1e-5 and d_merged < 1e-5
     assert (ours - plain).abs().max().item() > 1e-3  # the adapters trained: the test can fail
 

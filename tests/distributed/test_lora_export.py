@@ -155,6 +155,14 @@ def test_eval_and_generate_see_base_plus_adapters(exported, capsys, tmp_path):
         assert main(["eval", str(path), *data]) == 0
         results.append(json.loads(capsys.readouterr().out)["val_loss"])
     assert abs(results[0] - results[1]) < 1e-5, results
+    # the PEFT folder merged over the base it names: the run's merged export, bit for bit
+    assert main(["convert", str(peft), str(tmp_path / "peft-merged"), "--to", "hf", "--merge", "--no-progress"]) == 0
+    same(tmp / "merge", tmp_path / "peft-merged")
+    capsys.readouterr()
+    assert main(["inspect", str(tmp / "run")]) == 0 and main(["inspect", str(peft)]) == 0
+    said = capsys.readouterr().out
+    assert "(LoRA adapters alone: rank 4" in said and "base the initial weights of seed 1337)" in said
+    assert f"(PEFT LORA adapter: r 4, alpha {16 if family == 'gpt2' else 8}, targets" in said and str(base) in said
     texts = []
     for path in (tmp / "run", tmp / "merge"):
         assert main(["generate", str(path), "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0"]) == 0
@@ -169,8 +177,12 @@ def test_eval_and_generate_see_base_plus_adapters(exported, capsys, tmp_path):
     meta["config"]["model"]["init_from"] = str(base)
     (copy / "meta.json").write_text(json.dumps(meta))
     assert main(["convert", str(copy), str(tmp_path / "merge-init"), "--to", "hf", "--merge", "--no-progress"]) == 0
-    with safe_open(tmp / "merge" / "model.safetensors", "pt") as a, \
-            safe_open(tmp_path / "merge-init" / "model.safetensors", "pt") as b:
+    same(tmp / "merge", tmp_path / "merge-init")
+
+
+def same(one, other) -> None:
+    """Two Hugging Face exports hold the same tensors, bit for bit."""
+    with safe_open(one / "model.safetensors", "pt") as a, safe_open(other / "model.safetensors", "pt") as b:
         assert set(a.keys()) == set(b.keys())
         assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
 

@@ -71,12 +71,13 @@ class Checkpointer:
         the `init_from` weights with a fresh AdamW; return the trainer state ({} at step 0)."""
         if resume_from is not None:
             return store.load(self.strategy, resume_from, world_size)
-        if ((self.meta.get("config") or {}).get("model", {}).get("lora") or {}).get("init_from"):
-            from zerodp.convert.peft import load_start  # model.lora.init_from: adapters from a PEFT folder
-
-            load_start(self.strategy, init_from, self.meta["config"])
-        elif init_from:
+        if init_from:
             store.init_from(self.strategy, init_from)
+        lora = (self.meta.get("config") or {}).get("model", {}).get("lora") or {}
+        if resume_from is None and lora.get("init_from"):  # model.lora.init_from: the adapters from a PEFT folder
+            from zerodp.convert.peft import load_adapters
+
+            load_adapters(self.strategy, init_from, self.meta["config"])
         return {}
 
     def save(self, step: int, trainer_state: dict) -> Path:

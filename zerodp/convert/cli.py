@@ -149,9 +149,9 @@ def _said(src, n: int, what: str, dst: str, t0: float) -> None:
 
 def _refuse_lora(src, args) -> None:
     """A LoRA run's checkpoint holds its adapters alone: as a Hugging Face model it needs --merge."""
-    from zerodp.convert.lora_source import lora_record
+    from zerodp.convert.lora_source import recorded_lora
 
-    if args.to == "hf" and lora_record(src.meta) is not None:
+    if args.to == "hf" and recorded_lora(src.meta) is not None:
         raise UserError(f"{args.src} is a LoRA run's checkpoint (its adapters alone, not a model); pass --merge for "
                         f"the base with the adapters merged in, or --to peft for a PEFT adapter folder")
 
@@ -162,7 +162,7 @@ def _convert_lora(args, shard, window, hashing, t0) -> int:
     import json
 
     from zerodp.convert import open_checkpoint
-    from zerodp.convert.lora_source import lora_of, lora_record, peft_model
+    from zerodp.convert.lora_source import lora_of, peft_model, recorded_lora
     from zerodp.convert.peft import is_peft_folder, write_peft
     from zerodp.convert.writers import DTYPES, _read_paths, write_hf
 
@@ -173,7 +173,7 @@ def _convert_lora(args, shard, window, hashing, t0) -> int:
         src = peft_model(args.src, merged=True)
     else:
         plain = open_checkpoint(args.src, verify_deep=True, hash_beside_reads=True, hashing=hashing)
-        if lora_record(plain.meta) is None:
+        if recorded_lora(plain.meta) is None:
             plain.close()
             raise UserError(f"{args.src} holds no LoRA adapters (its run set no model.lora); --to peft and --merge "
                             f"apply to a LoRA run: use --to hf for a full model")
@@ -193,7 +193,7 @@ def _convert_lora(args, shard, window, hashing, t0) -> int:
             check_destination(args.dst, "peft", args.overwrite, _read_paths(src))
             dtype = DTYPES[args.dtype] if args.dtype else None
             adapters = {k: t.to(dtype) if dtype else t for k, t in src.adapters.items()}
-            base = lora_record(src.meta)["base"].get("init_from")
+            base = recorded_lora(src.meta)["base"].get("init_from")
             md = {"zerodp.source": json.dumps(src.describe(), sort_keys=True),
                   "zerodp.config": json.dumps({"model": src.meta["config"]["model"]}, sort_keys=True)}
             write_peft(adapters, args.dst, src.base.arch, src.spec, base, md, confirm=src.confirm)

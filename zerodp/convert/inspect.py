@@ -30,7 +30,7 @@ def _lora_words(path, src) -> str:
     import json
     from pathlib import Path
 
-    from zerodp.convert.lora_source import lora_record
+    from zerodp.convert.lora_source import recorded_lora
     from zerodp.convert.peft import ADAPTER_CONFIG, is_peft_folder
 
     if is_peft_folder(path):
@@ -40,7 +40,7 @@ def _lora_words(path, src) -> str:
                     f"{c.get('target_modules')}, base {c.get('base_model_name_or_path') or 'not named'})")
         except (ValueError, OSError, AttributeError):
             return " (PEFT adapter: adapter_config.json unreadable)"
-    rec = lora_record(src.meta)
+    rec = recorded_lora(src.meta)
     if rec is None:
         return ""
     base = rec["base"].get("init_from") or f"the initial weights of seed {rec['base'].get('seed')}"

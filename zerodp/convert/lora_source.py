@@ -27,7 +27,7 @@ from zerodp.errors import CheckpointError, UserError
 from zerodp.models.lora_spec import LoraSpec, adapter_shapes, is_adapter, lora_spec
 
 
-def lora_record(meta: dict) -> dict | None:
+def recorded_lora(meta: dict) -> dict | None:
     """The LoRA settings a checkpoint records, with its base ({"init_from", "seed"}): meta.json's `lora`
     (rank, alpha, dropout, targets, init_from, base), else its config's model.lora; None for a checkpoint
     of a model without adapters."""
@@ -175,9 +175,9 @@ def _model_config(model: dict):
 
 
 def lora_of(source: CheckpointSource, merged: bool) -> LoraSource:
-    """The LoRA model of an open LoRA checkpoint (`lora_record(source.meta)` is not None): its adapters,
+    """The LoRA model of an open LoRA checkpoint (`recorded_lora(source.meta)` is not None): its adapters,
     read now, and the base its record names. Closing the result closes `source`."""
-    rec = lora_record(source.meta)
+    rec = recorded_lora(source.meta)
     assert rec is not None, f"{source.path} holds no LoRA adapters"
     spec = spec_of_record(rec)
     model = dict((source.meta.get("config") or {}).get("model") or {})
@@ -228,7 +228,7 @@ def open_model(path: str | Path, merged: bool = False):
         source = peft_model(path, merged)
     else:
         source = open_checkpoint(path)
-        if lora_record(source.meta) is not None:
+        if recorded_lora(source.meta) is not None:
             try:
                 source = lora_of(source, merged)
             except BaseException:

@@ -246,14 +246,18 @@ def check_init_from(model_cfg) -> None:
 
 class AdapterStart:
     """What a strategy's `load_full` receives for a run whose adapters start from a PEFT folder: the
-    adapters' tensors, and for every other parameter the base's (`base`, a FullState of model.init_from),
-    or without one the model's initial values for `seed` (what the run would start from anyway)."""
+    adapters' tensors (`holds` names them alone: a load_full that copies what the state holds leaves the
+    base as loaded); asked for another parameter, the base's (`base`, a FullState of model.init_from), or
+    without one the model's initial values for `seed`: the base the run has already loaded."""
 
     with_optimizer = False
 
     def __init__(self, adapters: dict, base, model, seed: int):
         self.adapters, self.base, self.model, self.seed = adapters, base, model, seed
         self.source = base.source if base is not None else None
+
+    def holds(self, name: str) -> bool:
+        return name in self.adapters
 
     def get(self, name: str, kind: str, shape):
         from zerodp.models.lora_spec import is_adapter
@@ -271,10 +275,10 @@ class AdapterStart:
         return 0.0
 
 
-def load_start(strategy, init_from: str | None, config: dict) -> None:
-    """Collective: start the run `config` describes (a Config's dict) with its adapters from
-    model.lora.init_from (read_adapters) over its base (model.init_from's weights, else the seed's); a fresh
-    AdamW. Every strategy's `load_full` reads it as it reads a checkpoint."""
+def load_adapters(strategy, init_from: str | None, config: dict) -> None:
+    """Collective: set the adapters of the run `config` describes (a Config's dict) to model.lora.init_from's
+    (read_adapters), over its base (model.init_from's weights, else the seed's), at the start (a fresh
+    AdamW). Every strategy's `load_full` reads them as it reads a checkpoint."""
     import contextlib
 
     from zerodp.config import ModelConfig

@@ -176,8 +176,8 @@ def test_eval_and_generate_see_base_plus_adapters(exported, capsys, tmp_path):
     meta = json.loads((copy / "meta.json").read_text())
     meta["config"]["model"]["init_from"] = str(base)
     (copy / "meta.json").write_text(json.dumps(meta))
-    assert main(["convert", str(copy), str(tmp_path / "merge-init"), "--to", "hf", "--merge", "--no-progress"]) == 0
-    same(tmp / "merge", tmp_path / "merge-init")
+    assert main(["convert", str(copy), str(tmp / "merge-init"), "--to", "hf", "--merge", "--no-progress"]) == 0
+    same(tmp / "merge", tmp / "merge-init")  # (written beside the run and the base: neither one's folder)
 
 
 def same(one, other) -> None:

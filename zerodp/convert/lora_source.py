@@ -148,6 +148,11 @@ class LoraSource(CheckpointSource):
     def files(self) -> list[Path]:
         return (list(self.inner.files()) if self.inner is not None else []) + self.base.files()
 
+    def parts(self) -> list:
+        """What this source reads, by part: the adapters' checkpoint (or PEFT folder) and the base's."""
+        adapters = self.inner if self.inner is not None else _Folder(self.path)
+        return [adapters] + ([self.base.source] if self.base.source is not None else [])
+
     def will_read(self, kinds: tuple[str, ...]) -> None:
         if self.inner is not None:
             self.inner.will_read(kinds)
@@ -164,6 +169,16 @@ class LoraSource(CheckpointSource):
         if self.inner is not None:
             self.inner.close()
         self.base.close()
+
+
+class _Folder:
+    """A PEFT folder as `parts` names it: the folder and its files."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def files(self) -> list[Path]:
+        return sorted(p for p in self.path.iterdir() if p.is_file())
 
 
 def _model_config(model: dict):

@@ -133,6 +133,13 @@ def test_peft_and_the_merged_export_compute_the_lora_model(exported, capsys):
                    r"^zerodp: error: .*merge is the output of `zerodp convert --to hf`; zerodp convert --to peft never "
                    r"replaces it")
     assert (tmp / "peft" / "adapter_model.safetensors").read_bytes() == before
+    (tmp / "theirs").mkdir()  # a PEFT folder of someone else's (no zerodp metadata) is never replaced
+    (tmp / "theirs" / "adapter_config.json").write_text("{}")
+    one_line_error(capsys, main(["convert", str(tmp / "run"), str(tmp / "theirs"), "--to", "peft", "--overwrite"]),
+                   r"theirs is a PEFT adapter folder zerodp convert did not write; zerodp convert --to peft never "
+                   r"replaces it, even with --overwrite")
+    assert main(["convert", str(tmp / "run"), str(tmp / "peft"), "--to", "peft", "--overwrite", "--no-progress"]) == 0
+    assert (tmp / "peft" / "adapter_model.safetensors").read_bytes() == before  # its own output: replaced, the same
     assert sorted(p.name for p in tmp.iterdir() if p.name.startswith(".")) == []  # no staging folder left
 
 

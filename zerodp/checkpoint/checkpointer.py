@@ -73,6 +73,11 @@ class Checkpointer:
             return store.load(self.strategy, resume_from, world_size)
         if init_from:
             store.init_from(self.strategy, init_from)
+        lora = (self.meta.get("config") or {}).get("model", {}).get("lora") or {}
+        if resume_from is None and lora.get("init_from"):  # model.lora.init_from: the adapters from a PEFT folder
+            from zerodp.convert.peft import load_adapters
+
+            load_adapters(self.strategy, init_from, self.meta["config"])
         return {}
 
     def save(self, step: int, trainer_state: dict) -> Path:

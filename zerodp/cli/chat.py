@@ -50,7 +50,7 @@ def run_chat(args) -> int:
 
     from zerodp.api import model_from_source
     from zerodp.cli.use import _autocast, _device, _run_config, text_of
-    from zerodp.convert import open_checkpoint
+    from zerodp.convert.lora_source import open_model
     from zerodp.models.common import KVCache
     from zerodp.trainer.sample import next_logits, next_token
 
@@ -58,7 +58,7 @@ def run_chat(args) -> int:
         raise UserError("--chat and --prompt are two prompts; give one (--chat renders a user message with the "
                         "chat template, --prompt continues raw text)")
     device = _device(args.device)
-    with open_checkpoint(args.path) as source:
+    with open_model(args.path) as source:
         run_cfg = _run_config(source)
         text = text_of(source, run_cfg, args.tokenizer)
         if text.tokenizer is None:

@@ -1,7 +1,8 @@
 """`zerodp generate` and `zerodp eval`: use a checkpoint without training, on one process (CPU or GPU).
 
 Both read any checkpoint `zerodp.load_model` reads (a run folder, a step folder, DeepSpeed, DCP, zerodp
-safetensors, a Hugging Face folder), built on the meta device and filled tensor by tensor.
+safetensors, a Hugging Face folder), built on the meta device and filled tensor by tensor; a LoRA run's
+checkpoint or a PEFT adapter folder as its base with the adapters (zerodp.convert.lora_source.open_model).
 
 Text goes in and out the way the run saw it (`Text`): with the tokenizer the checkpoint records (a run
 on a `zerodp prepare` folder; its sha256 is checked), or the tokenizer.json beside a Hugging Face
@@ -244,12 +245,12 @@ def run_generate(args) -> int:
     import torch  # after the checks of the arguments alone: those fail at once, not after torch's import
 
     from zerodp.api import model_from_source
-    from zerodp.convert import open_checkpoint
+    from zerodp.convert.lora_source import open_model
     from zerodp.models.common import KVCache
     from zerodp.trainer.sample import next_logits, next_token
 
     device = _device(args.device)
-    with open_checkpoint(args.path) as source:
+    with open_model(args.path) as source:
         run_cfg = _run_config(source)
         text = text_of(source, run_cfg, args.tokenizer)
         model = model_from_source(source, device)
@@ -312,11 +313,11 @@ def run_eval(args) -> int:
     _not_a_dataset(args.path, "eval")
     from zerodp.api import model_from_source  # after the check of the arguments alone: imports torch
     from zerodp.config.sources import primary_source
-    from zerodp.convert import open_checkpoint
+    from zerodp.convert.lora_source import open_model
     from zerodp.data.batches import TokenBatches, load_tokens, prepared_meta
 
     device = _device(args.device)
-    with open_checkpoint(args.path) as source:
+    with open_model(args.path) as source:
         cfg = eval_config(source, args.overrides, args.path)
         recorded = (source.meta.get("tokenizer") or {}).get("sha256")
         prepared = prepared_meta(primary_source(cfg.data))

@@ -12,21 +12,26 @@ from pathlib import Path
 
 from zerodp.errors import UserError
 
-TARGETS = ("safetensors", "hf", "zerodp")
+TARGETS = ("safetensors", "hf", "zerodp", "peft")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")
 
 
 def add_convert_parser(sub) -> None:
     p = sub.add_parser(
         "convert", help="convert a checkpoint (zerodp, DeepSpeed, DCP, safetensors, a Hugging Face model folder) "
-                        "to safetensors, a Hugging Face model folder or zerodp",
+                        "to safetensors, a Hugging Face model folder, zerodp or a PEFT adapter",
         description="Detect what SRC is and write it to DST: consolidated safetensors as SRC names them, a "
                     "Hugging Face model folder (config.json and weights that transformers' from_pretrained "
-                    "loads), or a zerodp checkpoint in the canonical layout (resume at any world size).")
+                    "loads), a zerodp checkpoint in the canonical layout (resume at any world size), or for a LoRA "
+                    "run a PEFT adapter folder (--to peft) or the merged model (--to hf --merge).")
     p.add_argument("src", help="checkpoint: zerodp step_ folder or out_dir, DeepSpeed save_dir, DCP folder, "
                                ".safetensors file or folder")
     p.add_argument("dst", help="output folder (created; must be new or empty, outside SRC, and not hold SRC)")
-    p.add_argument("--to", default="safetensors", help="safetensors (default) | hf | zerodp")
+    p.add_argument("--to", default="safetensors", help="safetensors (default) | hf | zerodp | peft (a LoRA run's "
+                                                       "adapters, for peft.PeftModel.from_pretrained)")
+    p.add_argument("--merge", action="store_true",
+                   help="hf target of a LoRA run (or a PEFT folder): the base with the adapters merged in (W + alpha/r "
+                        "B A), a plain model")
     p.add_argument("--dtype", default=None,
                    help="safetensors/hf weights dtype: fp32 | bf16 | fp16 (default: as stored)")
     p.add_argument("--max-shard-size", default=None, help="split safetensors/hf output into shards, e.g. 5GB")
@@ -55,8 +60,13 @@ def run_convert(args) -> int:
     from zerodp.convert.destination import check_destination, parse_size  # no torch: see below
 
     if args.to not in TARGETS:
-        raise UserError(f"--to {args.to} is not a target; use --to safetensors or --to zerodp, or --to hf for a "
-                        f"Hugging Face model folder")
+        raise UserError(f"--to {args.to} is not a target; use --to safetensors or --to zerodp, --to hf for a "
+                        f"Hugging Face model folder, or --to peft for a LoRA run's adapters")
+    if args.merge and args.to != "hf":
+        raise UserError("--merge applies to --to hf (the LoRA model's merged weights); remove it, or pass --to hf")
+    if args.to == "peft" and (args.max_shard_size or args.config or args.step is not None):
+        raise UserError("--max-shard-size, --config and --step do not apply to --to peft (one adapter file, the "
+                        "model the run records); remove them")
     if args.dtype is not None and args.dtype not in DTYPE_NAMES:
         raise UserError(f"--dtype {args.dtype} is not supported; use fp32, bf16 or fp16")
     if args.to == "zerodp" and (args.dtype not in (None, "fp32") or args.max_shard_size):
@@ -99,14 +109,18 @@ def _begin_hashing(src: str):
 
 def _convert(args, shard, window, hashing, t0) -> int:
     from zerodp.convert import open_checkpoint, write_safetensors, write_zerodp
+    from zerodp.convert.peft import is_peft_folder
     from zerodp.convert.writers import write_hf
 
+    if args.to == "peft" or args.merge or is_peft_folder(args.src):
+        return _convert_lora(args, shard, window, hashing, t0)
     model = None
     if args.config:
         from zerodp.config import load_config
 
         model = load_config(args.config).to_dict()["model"]
     with open_checkpoint(args.src, verify_deep=True, hash_beside_reads=True, hashing=hashing) as src:
+        _refuse_lora(src, args)
         if args.to == "safetensors":
             out = write_safetensors(src, args.dst, dtype=args.dtype, max_shard_size=shard,
                                     progress=not args.no_progress, overwrite=args.overwrite, window=window)
@@ -120,12 +134,71 @@ def _convert(args, shard, window, hashing, t0) -> int:
                          window=window)
             what = "a zerodp checkpoint"
         n = len(src.param_names())
-    seconds = time.time() - t0
-    written = sum(f.stat().st_size for f in Path(args.dst).rglob("*") if f.is_file())
-    print(f"converted {src.format} checkpoint {src.path} ({n} tensors) to {what} in {args.dst} "
-          f"({written / 1e6:,.0f} MB in {seconds:.1f}s, {written / 1e6 / max(seconds, 1e-9):,.0f} MB/s)")
+    _said(src, n, what, args.dst, t0)
     if args.to == "zerodp":
         _say_what_resumes(Path(args.dst))
+    return 0
+
+
+def _said(src, n: int, what: str, dst: str, t0: float) -> None:
+    seconds = time.time() - t0
+    written = sum(f.stat().st_size for f in Path(dst).rglob("*") if f.is_file())
+    print(f"converted {src.format} checkpoint {src.path} ({n} tensors) to {what} in {dst} "
+          f"({written / 1e6:,.0f} MB in {seconds:.1f}s, {written / 1e6 / max(seconds, 1e-9):,.0f} MB/s)")
+
+
+def _refuse_lora(src, args) -> None:
+    """A LoRA run's checkpoint holds its adapters alone: as a Hugging Face model it needs --merge."""
+    from zerodp.convert.lora_source import recorded_lora
+
+    if args.to == "hf" and recorded_lora(src.meta) is not None:
+        raise UserError(f"{args.src} is a LoRA run's checkpoint (its adapters alone, not a model); pass --merge for "
+                        f"the base with the adapters merged in, or --to peft for a PEFT adapter folder")
+
+
+def _convert_lora(args, shard, window, hashing, t0) -> int:
+    """--to peft (the adapters, PEFT's format) or --to hf --merge (base + adapters merged) of a LoRA run's
+    checkpoint or a PEFT folder (zerodp.convert.lora_source: the base its record names)."""
+    import json
+
+    from zerodp.convert import open_checkpoint
+    from zerodp.convert.lora_source import lora_of, peft_model, recorded_lora
+    from zerodp.convert.peft import is_peft_folder, write_peft
+    from zerodp.convert.writers import DTYPES, _read_paths, write_hf
+
+    if is_peft_folder(args.src):
+        if args.to != "hf" or not args.merge:
+            raise UserError(f"{args.src} is a PEFT adapter folder; zerodp converts it with --to hf --merge (the base "
+                            f"it names with the adapters merged in)")
+        src = peft_model(args.src, merged=True)
+    else:
+        plain = open_checkpoint(args.src, verify_deep=True, hash_beside_reads=True, hashing=hashing)
+        if recorded_lora(plain.meta) is None:
+            plain.close()
+            raise UserError(f"{args.src} holds no LoRA adapters (its run set no model.lora); --to peft and --merge "
+                            f"apply to a LoRA run: use --to hf for a full model")
+        try:
+            src = lora_of(plain, merged=args.merge)
+        except BaseException:
+            plain.close()
+            raise
+    with src:
+        if args.to == "hf":
+            out = write_hf(src, args.dst, dtype=args.dtype, max_shard_size=shard, progress=not args.no_progress,
+                           overwrite=args.overwrite, window=window)
+            what, n = f"a Hugging Face model folder, adapters merged ({len(out)} files)", len(src.param_names())
+        else:
+            from zerodp.convert.destination import check_destination
+
+            check_destination(args.dst, "peft", args.overwrite, _read_paths(src))
+            dtype = DTYPES[args.dtype] if args.dtype else None
+            adapters = {k: t.to(dtype) if dtype else t for k, t in src.adapters.items()}
+            base = recorded_lora(src.meta)["base"].get("init_from")
+            md = {"zerodp.source": json.dumps(src.describe(), sort_keys=True),
+                  "zerodp.config": json.dumps({"model": src.meta["config"]["model"]}, sort_keys=True)}
+            write_peft(adapters, args.dst, src.base.arch, src.spec, base, md, confirm=src.confirm)
+            what, n = "a PEFT adapter folder", len(adapters)
+    _said(src, n, what, args.dst, t0)
     return 0
 
 

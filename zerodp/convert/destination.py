@@ -35,6 +35,7 @@ def parse_size(text: str, what: str = "--max-shard-size") -> int:
 # tokenizer added to an export folder (or a config.json added to a --to safetensors one) would be lost.
 _EXPORT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|" + re.escape(INDEX))
 HF_CONFIG = "config.json"
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # zerodp.convert.peft's
 
 
 def check_destination(dst: str | Path, to: str, overwrite: bool, inputs=()) -> None:
@@ -51,9 +52,16 @@ def check_destination(dst: str | Path, to: str, overwrite: bool, inputs=()) -> N
 
 
 def convert_output_kind(folder: Path) -> tuple[str | None, str]:
-    """("safetensors" | "hf" | "zerodp", "") if non-empty `folder` is an earlier `zerodp convert` output
-    and holds nothing else; else (None, what it is instead)."""
+    """("safetensors" | "hf" | "zerodp" | "peft", "") if non-empty `folder` is an earlier `zerodp convert`
+    output and holds nothing else; else (None, what it is instead)."""
     entries = sorted(folder.iterdir())
+    if (folder / PEFT_FILES[0]).is_file():  # a PEFT adapter: ours if its weights' metadata says so
+        foreign = [p.name for p in entries if p.name not in PEFT_FILES or not p.is_file() or p.is_symlink()]
+        if foreign:
+            return None, f"holds {foreign[0]}, which zerodp convert did not write"
+        if "zerodp.source" not in _header_metadata(folder / PEFT_FILES[1]):
+            return None, "is a PEFT adapter folder zerodp convert did not write"
+        return "peft", ""
     meta_path = folder / "meta.json"
     if meta_path.is_file():
         try:

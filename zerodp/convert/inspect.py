@@ -25,6 +25,29 @@ def _model_line(src) -> str:
             f"({m['n_kv_head']} kv), vocab {m['vocab_size']}, {'tied' if m['tie_embeddings'] else 'untied'} head")
 
 
+def _lora_words(path, src) -> str:
+    """For a LoRA run's checkpoint or a PEFT folder: its adapters' settings and where their base is."""
+    import json
+    from pathlib import Path
+
+    from zerodp.convert.lora_source import recorded_lora
+    from zerodp.convert.peft import ADAPTER_CONFIG, is_peft_folder
+
+    if is_peft_folder(path):
+        try:
+            c = json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+            return (f" (PEFT {c.get('peft_type')} adapter: r {c.get('r')}, alpha {c.get('lora_alpha')}, targets "
+                    f"{c.get('target_modules')}, base {c.get('base_model_name_or_path') or 'not named'})")
+        except (ValueError, OSError, AttributeError):
+            return " (PEFT adapter: adapter_config.json unreadable)"
+    rec = recorded_lora(src.meta)
+    if rec is None:
+        return ""
+    base = rec["base"].get("init_from") or f"the initial weights of seed {rec['base'].get('seed')}"
+    return (f" (LoRA adapters alone: rank {rec['rank']}, alpha {rec['alpha']:g}, targets {list(rec['targets'])}; "
+            f"base {base})")
+
+
 def inspect_checkpoint(path) -> tuple[list[str], bool]:
     """The report's lines and whether the checkpoint is intact (opening failures become a report too)."""
     try:
@@ -42,6 +65,7 @@ def inspect_checkpoint(path) -> tuple[list[str], bool]:
         kind = src.format + (f" ({src.layout} layout)" if hasattr(src, "layout") else "")
         if src.meta.get("hf_config"):
             kind += f" (Hugging Face model folder: {_model_line(src)})"
+        kind += _lora_words(path, src)
         lines = [
             f"path:        {src.path}",
             f"format:      {kind}",

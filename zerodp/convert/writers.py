@@ -72,7 +72,10 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def _read_paths(source: CheckpointSource) -> list[Path]:
-    """What the source reads: its file or folder, each file, and the folder that holds them all."""
+    """What the source reads: its file or folder, each file, and the folder that holds them all (for a
+    source made of parts, as a LoRA model's adapters and base: each part's, not a folder holding both)."""
+    if hasattr(source, "parts"):
+        return [p for part in source.parts() for p in _read_paths(part)]
     files = [Path(f) for f in source.files()]
     paths = [Path(source.path), *files]
     if len(files) > 1:

@@ -77,6 +77,9 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
     if cfg.model.init_from and not os.path.exists(cfg.model.init_from):  # wrong whether or not it is used
         raise UserError(f"model.init_from {cfg.model.init_from} does not exist; pass a checkpoint folder or "
                         f".safetensors file, or remove the key")
+    from zerodp.convert.peft import check_init_from
+
+    check_init_from(cfg.model)  # model.lora.init_from: a PEFT folder of this model's adapters (headers only)
     if fresh and from_checkpoint is not None:
         raise UserError("--fresh starts over and --from-checkpoint resumes from a checkpoint: pass one of the two")
     if fresh or (not cfg.checkpoint.resume and from_checkpoint is None):

@@ -1,0 +1,207 @@
+"""A LoRA run leaves zerodp the way users take it: `zerodp convert RUN --to peft` is a folder the real
+`peft` client loads over the base's Hugging Face export and computes zerodp's logits with; `--to hf
+--merge` is a plain Hugging Face model that computes the same; `zerodp eval` of the run prints the val_loss
+it logged; a run with model.lora.init_from = a PEFT export starts where that run ended.
+
+Tiny llama and gpt2 (fp32, strategy single, 3 steps): the base is the seed's initial weights (the run sets
+no model.init_from), exported for transformers as a user would export a base model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tests.support.cli_checks import one_line_error
+from zerodp.api import model_from_source
+from zerodp.cli.commands import main
+from zerodp.config import from_dict, resolve_model
+from zerodp.convert.lora_source import open_model
+from zerodp.models import build_model
+from zerodp.models.hf import TRANSPOSE, to_hf
+
+SMALL = ["strategy.name=single", "model.n_layer=2", "model.n_embd=32", "model.block_size=16",
+         "train.global_batch_size=2", "train.micro_batch_size=2", "train.progress=false", "train.sample_tokens=0",
+         "data.max_bytes=200000", "data.prefetch=0", "optim.warmup_steps=1"]
+FAMILIES = {
+    "llama": ["configs/llama-tiny.yaml", "model.intermediate_size=64", "model.lora.rank=4",
+              "model.lora.targets=[q_proj, v_proj, down_proj]"],
+    "gpt2": ["configs/tiny.yaml", "model.n_head=2", "model.lora.rank=4", "model.lora.alpha=16"],  # all-linear
+}
+
+
+def train(out, config, *extra):
+    assert main(["train", config, *SMALL, "train.max_steps=3", "train.eval_every=3", "checkpoint.every=3",
+                 f"train.out_dir={out}", *extra]) == 0
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_meta(run) -> dict:
+    return json.loads((run / "checkpoints" / "step_00000003" / "meta.json").read_text())
+
+
+def base_config(run):
+    """The ModelConfig of the run's base: its model section without model.lora."""
+    model = {k: v for k, v in run_meta(run)["config"]["model"].items() if k != "lora"}
+    return resolve_model(from_dict({"model": model}, "base")).model
+
+
+def base_export(run, out):
+    """The run's base (its seed's initial weights) as a Hugging Face folder, through zerodp convert --to hf."""
+    meta = run_meta(run)
+    model = {k: v for k, v in meta["config"]["model"].items() if k != "lora"}
+    base = build_model(base_config(run), seed=meta["config"]["train"]["seed"])
+    (out / "base").mkdir()
+    save_file({n: p.detach() for n, p in base.named_parameters()}, out / "base" / "model.safetensors",
+              metadata={"zerodp.config": json.dumps({"model": model}), "zerodp.layout": "zerodp"})
+    assert main(["convert", str(out / "base"), str(out / "base-hf"), "--to", "hf", "--no-progress"]) == 0
+    return out / "base-hf"
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def exported(request, tmp_path_factory):
+    family = request.param
+    tmp = tmp_path_factory.mktemp(f"lora-{family}")
+    config, *settings = FAMILIES[family]
+    metrics = train(tmp / "run", config, *settings)
+    base = base_export(tmp / "run", tmp)
+    for to in (["--to", "peft"], ["--to", "hf", "--merge"]):
+        assert main(["convert", str(tmp / "run"), str(tmp / to[-1].strip("-")), *to, "--no-progress"]) == 0
+    return family, tmp, metrics, base
+
+
+def logits_of(tmp, base, idx):
+    """(zerodp's LoRA model, PEFT over transformers' base, transformers' merged export) logits of `idx`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with open_model(tmp / "run") as source, torch.no_grad():
+        ours = model_from_source(source).eval()(idx)
+    with torch.no_grad():
+        hf_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        peft = PeftModel.from_pretrained(hf_base, tmp / "peft").eval()(idx).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp / "merge", dtype=torch.float32).eval()(idx).logits
+    return ours, peft, merged
+
+
+def test_peft_and_the_merged_export_compute_the_lora_model(exported, capsys):
+    family, tmp, _, base = exported
+    config = json.loads((tmp / "peft" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["task_type"], config["r"], config["lora_dropout"]) == ("LORA", "CAUSAL_LM", 4,
+                                                                                                0.0)
+    assert config["fan_in_fan_out"] is (family == "gpt2")  # GPT-2's c_attn, c_proj, c_fc are Conv1D in HF's layout
+    assert config["target_modules"] == (["c_attn", "c_fc", "c_proj"] if family == "gpt2" else
+                                        ["q_proj", "v_proj", "down_proj"])
+    assert config["lora_alpha"] == (16 if family == "gpt2" else 8)
+    with safe_open(tmp / "peft" / "adapter_model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    with safe_open(tmp / "run" / "checkpoints" / "step_00000003" / "model.safetensors", "pt") as f:
+        trained = set(f.keys())
+    # PEFT's keys are the HF names of the adapted layers (the family's table) under base_model.model.
+    modules = {n.rpartition(".lora_")[0] for n in trained}
+    hf_modules = {to_hf(family, f"{m}.weight")[0].removesuffix(".weight") for m in modules}
+    assert keys == {f"base_model.model.{m}.lora_{x}.weight" for m in hf_modules for x in "AB"}
+    assert len(keys) == len(trained) == (2 * 2 * 4 if family == "gpt2" else 2 * 2 * 3)
+    if family == "gpt2":
+        assert all(to_hf(family, f"{m}.weight")[1] == TRANSPOSE for m in modules)
+
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    ours, peft, merged = logits_of(tmp, base, idx)
+    with torch.no_grad():
+        plain = build_model(base_config(tmp / "run"), seed=1337)(idx)  # train.seed's initial weights: the base
+    d_peft, d_merged = (peft - ours).abs().max().item(), (merged - peft).abs().max().item()
+    with capsys.disabled():  # the figures, for `pytest -s`
+        print(f"\n{family}: max |PEFT - zerodp| {d_peft:.2e}, max |merged - PEFT| {d_merged:.2e}")
+    assert d_peft < 1e-5 and d_merged < 1e-5
+    assert (ours - plain).abs().max().item() > 1e-3  # the adapters trained: the test can fail
+
+    # A LoRA checkpoint as a Hugging Face model needs --merge; an output is never written over
+    capsys.readouterr()
+    one_line_error(capsys, main(["convert", str(tmp / "run"), str(tmp / "hf"), "--to", "hf", "--no-progress"]),
+                   r"^zerodp: error: .*run is a LoRA run's checkpoint \(its adapters alone, not a model\); pass "
+                   r"--merge for the base with the adapters merged in, or --to peft for a PEFT adapter folder$")
+    assert not (tmp / "hf").exists()
+    before = (tmp / "peft" / "adapter_model.safetensors").read_bytes()
+    one_line_error(capsys, main(["convert", str(tmp / "run"), str(tmp / "peft"), "--to", "peft", "--no-progress"]),
+                   r"^zerodp: error: .*peft already exists and is not empty; choose a new folder or pass --overwrite$")
+    one_line_error(capsys, main(["convert", str(tmp / "run"), str(tmp / "merge"), "--to", "peft", "--overwrite",
+                                 "--no-progress"]),
+                   r"^zerodp: error: .*merge is the output of `zerodp convert --to hf`; zerodp convert --to peft never "
+                   r"replaces it")
+    assert (tmp / "peft" / "adapter_model.safetensors").read_bytes() == before
+    (tmp / "theirs").mkdir()  # a PEFT folder of someone else's (no zerodp metadata) is never replaced
+    (tmp / "theirs" / "adapter_config.json").write_text("{}")
+    one_line_error(capsys, main(["convert", str(tmp / "run"), str(tmp / "theirs"), "--to", "peft", "--overwrite"]),
+                   r"theirs is a PEFT adapter folder zerodp convert did not write; zerodp convert --to peft never "
+                   r"replaces it, even with --overwrite")
+    assert main(["convert", str(tmp / "run"), str(tmp / "peft"), "--to", "peft", "--overwrite", "--no-progress"]) == 0
+    assert (tmp / "peft" / "adapter_model.safetensors").read_bytes() == before  # its own output: replaced, the same
+    assert sorted(p.name for p in tmp.iterdir() if p.name.startswith(".")) == []  # no staging folder left
+
+
+def test_eval_and_generate_see_base_plus_adapters(exported, capsys, tmp_path):
+    """zerodp eval of the LoRA run prints the val_loss it logged; its PEFT folder (its base named) and merged
+    export evaluate alike; generate prints the same text from the run and from the merged export. With the
+    base read from model.init_from (the meta of a copy names the base's export) the merge is the same."""
+    family, tmp, metrics, base = exported
+    capsys.readouterr()
+    assert main(["eval", str(tmp / "run"), "--json", "--no-progress"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert abs(got["val_loss"] - metrics[-1]["val_loss"]) < 1e-6, (got, metrics[-1])
+    peft = tmp / "peft-named"
+    shutil.copytree(tmp / "peft", peft)
+    config = json.loads((peft / "adapter_config.json").read_text())
+    (peft / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(base)}))
+    data = ["data.source=builtin", "data.max_bytes=200000", "--max-tokens", "400", "--json", "--no-progress"]
+    results = []
+    for path in (peft, tmp / "merge"):
+        assert main(["eval", str(path), *data]) == 0
+        results.append(json.loads(capsys.readouterr().out)["val_loss"])
+    assert abs(results[0] - results[1]) < 1e-5, results
+    # the PEFT folder merged over the base it names: the run's merged export, bit for bit
+    assert main(["convert", str(peft), str(tmp_path / "peft-merged"), "--to", "hf", "--merge", "--no-progress"]) == 0
+    same(tmp / "merge", tmp_path / "peft-merged")
+    capsys.readouterr()
+    assert main(["inspect", str(tmp / "run")]) == 0 and main(["inspect", str(peft)]) == 0
+    said = capsys.readouterr().out
+    assert "(LoRA adapters alone: rank 4" in said and "base the initial weights of seed 1337)" in said
+    assert f"(PEFT LORA adapter: r 4, alpha {16 if family == 'gpt2' else 8}, targets" in said and str(base) in said
+    texts = []
+    for path in (tmp / "run", tmp / "merge"):
+        assert main(["generate", str(path), "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and len(texts[0]) > 4
+    if family != "llama":
+        return
+    # the base from model.init_from, read through zerodp.convert (here its Hugging Face export)
+    copy = tmp / "from-init"
+    shutil.copytree(tmp / "run" / "checkpoints" / "step_00000003", copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    meta["config"]["model"]["init_from"] = str(base)
+    (copy / "meta.json").write_text(json.dumps(meta))
+    assert main(["convert", str(copy), str(tmp / "merge-init"), "--to", "hf", "--merge", "--no-progress"]) == 0
+    same(tmp / "merge", tmp / "merge-init")  # (written beside the run and the base: neither one's folder)
+
+
+def same(one, other) -> None:
+    """Two Hugging Face exports hold the same tensors, bit for bit."""
+    with safe_open(one / "model.safetensors", "pt") as a, safe_open(other / "model.safetensors", "pt") as b:
+        assert set(a.keys()) == set(b.keys())
+        assert all(torch.equal(a.get_tensor(k), b.get_tensor(k)) for k in a.keys())
+
+
+def test_a_run_from_a_peft_export_starts_where_its_run_ended(exported, tmp_path):
+    """model.lora.init_from = the PEFT export: the new run's adapters are the old run's last ones, so
+    its validation after one step at a learning rate of 1e-12 is the old run's last val_loss."""
+    family, tmp, metrics, _ = exported
+    if family != "llama":
+        pytest.skip("one family suffices: the start path is the family's own names")
+    config, *settings = FAMILIES[family]
+    again = train(tmp_path / "again", config, *settings, f"model.lora.init_from={tmp / 'peft'}", "train.max_steps=1",
+                  "train.eval_every=1", "checkpoint.every=1", "optim.lr=1e-12", "optim.min_lr=1e-12")
+    assert abs(again[-1]["val_loss"] - metrics[-1]["val_loss"]) < 1e-6, (again[-1], metrics[-1])
+    assert abs(again[0]["loss"] - metrics[0]["loss"]) > 1e-4  # the first run started elsewhere (B = 0)

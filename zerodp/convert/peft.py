@@ -1,0 +1,302 @@
+"""PEFT adapter folders (the `peft` library's LoRA format), written and read by zerodp itself:
+
+    adapter_config.json          peft_type LORA, r, lora_alpha, lora_dropout, target_modules, fan_in_fan_out, ...
+    adapter_model.safetensors    base_model.model.<module>.lora_A.weight (r, in), ...lora_B.weight (out, r)
+
+`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), folder)` computes what zerodp's
+LoRA model computes. The keys are zerodp's adapter names under `base_model.model.`, each module named
+as Hugging Face names it (the family's TABLE, zerodp/models/<family>/spec.py: the same names for every
+family today); A and B keep their shapes even over GPT-2's Conv1D layers, for which PEFT is told
+fan_in_fan_out (the base weight is (in, out) there).
+
+`write_peft` writes a folder (`zerodp convert RUN --to peft`); `check_adapters` (torch-free: config and
+safetensors header) and `read_adapters` read one back for `model.lora.init_from`, refusing in one line an
+adapter zerodp would not compute as PEFT does, or one made for another model. A pickled adapter
+(adapter_model.bin) is never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from zerodp.errors import ConfigError
+from zerodp.models.hf import TRANSPOSE, from_hf, to_hf
+from zerodp.models.lora_spec import ALL_LINEAR, LoraSpec, adapted_modules, adapter_shapes, linear_modules
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PICKLED = "adapter_model.bin"
+PREFIX = "base_model.model."
+"""PeftModel's prefix on the wrapped model's names, as its saved adapters carry it."""
+# Settings under which PEFT computes something else than W x + (alpha / r) B A x: refused on import.
+_UNSUPPORTED = {"use_rslora": False, "use_dora": False, "bias": "none", "modules_to_save": None,
+                "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def is_peft_folder(path: str | Path) -> bool:
+    """Whether `path` is a folder holding an adapter_config.json (a PEFT adapter, not a model)."""
+    return Path(path).is_dir() and (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def peft_key(family: str, name: str) -> tuple[str, bool]:
+    """(PEFT's key, whether the base layer is Hugging Face's Conv1D) of zerodp adapter `name`
+    (`<module>.lora_A.weight`)."""
+    module, _, tail = name.rpartition(".lora_")
+    hit = to_hf(family, f"{module}.weight")
+    assert hit is not None, f"{family}'s TABLE has no row for {module}.weight"
+    return f"{PREFIX}{hit[0].removesuffix('.weight')}.lora_{tail}", hit[1] == TRANSPOSE
+
+
+def zerodp_name(family: str, key: str) -> str | None:
+    """zerodp's adapter name of PEFT key `key`, or None if it names no layer of the family."""
+    body = key.removeprefix(PREFIX)
+    module, sep, tail = body.rpartition(".lora_")
+    if not key.startswith(PREFIX) or not sep or tail not in ("A.weight", "B.weight"):
+        return None
+    hit = from_hf(family, f"{module}.weight")
+    return f"{hit[0].removesuffix('.weight')}.lora_{tail}" if hit else None
+
+
+def peft_targets(arch, spec: LoraSpec) -> list[str]:
+    """target_modules for adapter_config.json: the spec's targets, `all-linear` spelled out as the
+    blocks' linear layers' names (PEFT's own all-linear would depend on its version's rules)."""
+    if ALL_LINEAR in spec.targets:
+        return sorted({m.rpartition(".")[2] for m in linear_modules(arch)})
+    return list(spec.targets)
+
+
+def adapter_config(arch, spec: LoraSpec, base: str | None) -> dict:
+    """adapter_config.json for adapters `spec` of model `arch`; `base`: the base model's path or hub name."""
+    fan_in_fan_out = any(peft_key(arch.family, n)[1] for n in adapter_shapes(arch, spec))
+    alpha = int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": spec.rank,
+            "lora_alpha": alpha, "lora_dropout": spec.dropout, "target_modules": peft_targets(arch, spec),
+            "fan_in_fan_out": fan_in_fan_out, "init_lora_weights": True, "inference_mode": True,
+            **_UNSUPPORTED}
+
+
+def write_peft(adapters: dict, dst: str | Path, arch, spec: LoraSpec, base: str | None, metadata: dict,
+               confirm=lambda: None) -> list[Path]:
+    """Write folder `dst` (checked by zerodp.convert.destination.check_destination first) as a PEFT
+    adapter: adapter_config.json and adapter_model.safetensors of `adapters` ({zerodp name: tensor}, in
+    their dtype) under PEFT's keys, with `metadata` in the file's header. Written into a hidden sibling
+    and renamed into place (zerodp.checkpoint.safe_output.staged) only after `confirm()` (the source's
+    integrity check) has passed."""
+    from zerodp.checkpoint.safe_output import staged
+    from zerodp.convert.source import TensorInfo, write_safetensors_file
+
+    assert set(adapters) == set(adapter_shapes(arch, spec)), "the adapters are not the spec's"
+    keys = {peft_key(arch.family, n)[0]: n for n in sorted(adapters)}
+    infos = {k: TensorInfo(tuple(adapters[n].shape), adapters[n].dtype) for k, n in keys.items()}
+    config = adapter_config(arch, spec, base)
+    with staged(dst) as out:
+        (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        write_safetensors_file(out / ADAPTER_WEIGHTS, list(keys), infos, lambda k: adapters[keys[k]].contiguous(),
+                               {"format": "pt", "zerodp.layout": "peft", **metadata})
+        confirm()
+    return [Path(dst) / ADAPTER_CONFIG, Path(dst) / ADAPTER_WEIGHTS]
+
+
+# -- reading -----------------------------------------------------------------------------------------
+
+def read_config(folder: str | Path, where: str) -> dict:
+    """adapter_config.json of PEFT folder `folder`, its weights file checked present; ConfigError otherwise."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ConfigError(f"{where} {folder} does not exist or is not a folder; give a PEFT adapter folder "
+                          f"({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}), such as `zerodp convert RUN --to peft` writes")
+    if not (folder / ADAPTER_CONFIG).is_file():
+        raise ConfigError(f"{where} {folder} holds no {ADAPTER_CONFIG}: not a PEFT adapter folder; give the folder "
+                          f"PeftModel.save_pretrained or `zerodp convert RUN --to peft` wrote")
+    if not (folder / ADAPTER_WEIGHTS).is_file():
+        if (folder / PICKLED).is_file():
+            raise ConfigError(f"{where} {folder} holds a pickled adapter ({PICKLED}), and zerodp never loads a pickle "
+                              f"(it can run code); save it as safetensors: PeftModel.save_pretrained(dir, "
+                              f"safe_serialization=True)")
+        raise ConfigError(f"{where} {folder} holds no {ADAPTER_WEIGHTS}; give a complete PEFT adapter folder")
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"{where} {folder / ADAPTER_CONFIG} is not valid JSON ({e})") from None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        kind = config.get("peft_type") if isinstance(config, dict) else None
+        raise ConfigError(f"{where} {folder} is a {kind or 'non-LoRA'} adapter; zerodp trains and reads LoRA adapters "
+                          f"(peft_type LORA) only")
+    for key in _UNSUPPORTED:
+        value = config.get(key)
+        if value not in (None, "none") if key == "bias" else value not in (None, False, {}, []):
+            raise ConfigError(f"{where} {folder} sets {key}={config[key]!r}, which zerodp's LoRA does not compute "
+                              f"(it computes W x + alpha / r * B A x on the target layers alone); export the adapter "
+                              f"without it")
+    return config
+
+
+def _header(path: Path) -> dict:
+    """The tensors of a safetensors file's header: {name: (dtype, shape)} (no torch)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if 0 < n <= 100 * 2**20 else None
+    except (OSError, ValueError) as e:
+        header = None
+        why = str(e)
+    else:
+        why = "no valid header"
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path} is not a safetensors file ({why}); re-save the adapter")
+    header.pop("__metadata__", None)
+    return {k: (v.get("dtype"), tuple(v.get("shape") or ())) for k, v in header.items() if isinstance(v, dict)}
+
+
+def _modules_of_targets(arch, targets) -> set[str]:
+    """The zerodp modules PEFT adapts for adapter_config.json's `target_modules` (a list: names the module's
+    path ends with; a string: all-linear, or a pattern the Hugging Face module name matches whole)."""
+    every = adapted_modules(arch, LoraSpec(1, 1.0, 0.0, (ALL_LINEAR,), None))
+    if isinstance(targets, str) and targets != ALL_LINEAR:
+        hf = {m: peft_key(arch.family, f"{m}.lora_A.weight")[0].removeprefix(PREFIX).removesuffix(".lora_A.weight")
+              for m in every}
+        return {m for m, h in hf.items() if re.fullmatch(targets, h)}
+    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
+    return set(adapted_modules(arch, LoraSpec(1, 1.0, 0.0, targets, None))) if targets else set()
+
+
+def _short(modules: set[str]) -> str:
+    names = sorted({m.rpartition(".")[2] for m in modules})
+    return ", ".join(names) if names else "no layer"
+
+
+def check_adapters(folder: str | Path, arch, spec: LoraSpec, where: str = "model.lora.init_from") -> dict[str, str]:
+    """Check PEFT folder `folder` against adapters `spec` of model `arch` without reading a tensor: its rank,
+    alpha and targets equal the spec's, and its tensors are the spec's adapters with their shapes (an
+    adapter made for another width or depth is refused). Returns {zerodp name: PEFT key}; ConfigError
+    naming the difference and the fix otherwise."""
+    folder = Path(folder)
+    config = read_config(folder, where)
+    section = where.rpartition(".")[0] or "model.lora"
+    if config.get("r") != spec.rank:
+        raise ConfigError(f"{where} {folder} has rank r={config.get('r')!r} but {section}.rank is {spec.rank}; set "
+                          f"{section}.rank={config.get('r')} to start from it")
+    alpha = config.get("lora_alpha")
+    if not isinstance(alpha, (int, float)) or float(alpha) != spec.alpha:
+        raise ConfigError(f"{where} {folder} has lora_alpha={alpha!r} but {section}.alpha is {spec.alpha:g}; set "
+                          f"{section}.alpha={alpha} to start from it")
+    theirs, ours = _modules_of_targets(arch, config.get("target_modules")), set(adapted_modules(arch, spec))
+    if theirs != ours:
+        raise ConfigError(f"{where} {folder} adapts {_short(theirs)} (target_modules {config.get('target_modules')!r}) "
+                          f"but {section}.targets adapts {_short(ours)}; set {section}.targets to the adapter's")
+    want = adapter_shapes(arch, spec)
+    found: dict[str, str] = {}
+    for key, (dtype, shape) in _header(folder / ADAPTER_WEIGHTS).items():
+        name = zerodp_name(arch.family, key)
+        if name is None or name not in want:
+            raise ConfigError(f"{where} {folder / ADAPTER_WEIGHTS} holds {key}, which is no adapter of this "
+                              f"{arch.family} model ({arch.n_layer} layers, {section}.targets {list(spec.targets)}); "
+                              f"it was made for another model: give an adapter of this base")
+        if shape != tuple(want[name]):
+            raise ConfigError(f"{where} {folder}: {key} is {list(shape)} there but {list(want[name])} in this model "
+                              f"(n_embd {arch.n_embd}); the adapter was made for a base of another shape: give one "
+                              f"trained on this base, or set the model section to its base's")
+        if dtype not in ("F32", "BF16", "F16", "F64"):
+            raise ConfigError(f"{where} {folder}: {key} is {dtype}, not a floating-point tensor")
+        found[name] = key
+    missing = sorted(set(want) - set(found))
+    if missing:
+        raise ConfigError(f"{where} {folder / ADAPTER_WEIGHTS} lacks {len(missing)} of the {len(want)} adapter tensors "
+                          f"(e.g. {peft_key(arch.family, missing[0])[0]}); the file is incomplete")
+    return found
+
+
+def read_adapters(folder: str | Path, arch, spec: LoraSpec, where: str = "model.lora.init_from") -> dict:
+    """The adapters of PEFT folder `folder` by zerodp's names, fp32 on the CPU, after `check_adapters`."""
+    from zerodp.convert.source import SafetensorsFile
+
+    keys = check_adapters(folder, arch, spec, where)
+    f = SafetensorsFile(Path(folder) / ADAPTER_WEIGHTS)
+    return {name: f.read(key).float() for name, key in keys.items()}
+
+
+def spec_of_config(config: dict) -> LoraSpec:
+    """The LoraSpec an adapter_config.json (read_config's) describes: what a PEFT folder given to zerodp
+    generate or eval adapts."""
+    from zerodp.models.lora_spec import lora_spec
+
+    targets = config.get("target_modules")
+    if isinstance(targets, str) and targets != ALL_LINEAR:
+        raise ConfigError(f"{ADAPTER_CONFIG}: target_modules {targets!r} is a pattern; zerodp reads adapters whose "
+                          f"target_modules is a list of module names (or {ALL_LINEAR!r})")
+    targets = [targets] if isinstance(targets, str) else list(targets or [])
+    return lora_spec({"rank": config.get("r"), "alpha": config.get("lora_alpha", 8), "targets": targets,
+                      "dropout": float(config.get("lora_dropout") or 0.0)}, f"{ADAPTER_CONFIG}")
+
+
+# -- a run's start (model.lora.init_from) ------------------------------------------------------------
+
+def check_init_from(model_cfg) -> None:
+    """model.lora.init_from, when set, is a PEFT folder of this model's adapters (`check_adapters`, headers
+    only): checked at the run's start, before anything is written."""
+    from zerodp.models.arch import arch_of
+    from zerodp.models.lora_spec import lora_spec
+
+    spec = lora_spec(model_cfg.lora)
+    if spec is not None and spec.init_from:
+        check_adapters(spec.init_from, arch_of(model_cfg), spec)
+
+
+class AdapterStart:
+    """What a strategy's `load_full` receives for a run whose adapters start from a PEFT folder: the
+    adapters' tensors (`holds` names them alone: a load_full that copies what the state holds leaves the
+    base as loaded); asked for another parameter, the base's (`base`, a FullState of model.init_from), or
+    without one the model's initial values for `seed`: the base the run has already loaded."""
+
+    with_optimizer = False
+
+    def __init__(self, adapters: dict, base, model, seed: int):
+        self.adapters, self.base, self.model, self.seed = adapters, base, model, seed
+        self.source = base.source if base is not None else None
+
+    def holds(self, name: str) -> bool:
+        return name in self.adapters
+
+    def get(self, name: str, kind: str, shape):
+        from zerodp.models.lora_spec import is_adapter
+
+        assert kind == "param", kind
+        if is_adapter(name):
+            t = self.adapters[name]
+        elif self.base is not None:
+            return self.base.get(name, kind, shape)
+        else:
+            t = self.model.initial_values(name, self.seed)
+        return t.reshape(tuple(shape))
+
+    def step(self, name: str) -> float:
+        return 0.0
+
+
+def load_adapters(strategy, init_from: str | None, config: dict) -> None:
+    """Collective: set the adapters of the run `config` describes (a Config's dict) to model.lora.init_from's
+    (read_adapters), over its base (model.init_from's weights, else the seed's), at the start (a fresh
+    AdamW). Every strategy's `load_full` reads them as it reads a checkpoint."""
+    import contextlib
+
+    from zerodp.config import ModelConfig
+    from zerodp.models.arch import arch_of
+    from zerodp.models.lora_spec import lora_spec
+
+    model = config["model"]
+    model_cfg = ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__})
+    spec = lora_spec(model_cfg.lora)
+    adapters = read_adapters(spec.init_from, arch_of(model_cfg), spec)
+    core = strategy.model
+    while not hasattr(core, "initial_values") and hasattr(core, "module"):  # a DDP wrapper, a DeepSpeed engine
+        core = core.module
+    with contextlib.ExitStack() as stack:
+        base = None
+        if init_from:
+            from zerodp.convert import open_checkpoint
+            from zerodp.convert.full_state import FullState
+
+            base = FullState(stack.enter_context(open_checkpoint(init_from)), with_optimizer=False)
+        strategy.load_full(AdapterStart(adapters, base, core, int(config["train"]["seed"])))

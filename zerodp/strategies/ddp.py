@@ -23,6 +23,7 @@ from zerodp.strategies.common import (
     FullState,
     autocast_context,
     grad_scale,
+    hold_frozen,
     load_full_replicated,
     load_replicated,
     local_grad_norms,
@@ -41,6 +42,7 @@ class DDPStrategy:
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx
+        hold_frozen(model, ctx.cfg.train.precision)  # LoRA's frozen base in 16 bits under bf16/fp16
         self.module = materialise(model, ctx.device, ctx.cfg.train.seed)
         self.model = DistributedDataParallel(
             self.module,

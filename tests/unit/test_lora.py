@@ -169,3 +169,23 @@ def test_base_identity_is_hashed_once_and_a_different_base_is_refused(tmp_path, 
     line = str(e.value)
     assert "\n" not in line and str(base) in line and f"train.seed={cfg.train.seed}" in line, line
     assert f"set model.init_from to {base}" in line and record["base"]["sha256"][:12] in line, line
+
+
+def test_the_canonical_checkpoint_holds_the_adapters_and_loads_back(tmp_path):
+    """single's save (ddp's too: rank 0's) writes the adapters and their moments by name; its load puts
+    them back and leaves the frozen base as it is."""
+    cfg = load_config(None, TINY + LORA + ["train.precision=bf16"])
+    s = single(cfg)
+    one_step(s, cfg)
+    s.save(tmp_path)
+    adapters = adapter_shapes(arch_of(cfg.model), lora_spec(cfg.model.lora))
+    with open_checkpoint(tmp_path / "model.safetensors") as source:
+        assert sorted(source.param_names()) == sorted(adapters)
+    t = single(cfg)
+    base = {n: p.detach().clone() for n, p in t.model.named_parameters() if not is_adapter(n)}
+    t.load(tmp_path)
+    for n, p in t.model.named_parameters():
+        want = s.model.get_parameter(n) if is_adapter(n) else base[n]
+        assert torch.equal(p, want), n
+        if is_adapter(n):
+            assert torch.equal(t.optimizer.state[p]["exp_avg"], s.optimizer.state[s.model.get_parameter(n)]["exp_avg"])

@@ -6,7 +6,8 @@ micro batches of 2: 6, 3 and 2 accumulation steps at world 1, 2 and 3. Per-step 
 adapters agree within test_equivalence.py's 1e-5; the frozen base ends bit-identical to the weights it
 started from. A LoRA checkpoint holds the adapters and their AdamW state only (by name, a small share of
 the model's bytes) and meta.json names the base (zerodp.checkpoint.lora_base); ddp at world 2 resumed by
-fsdp at world 3 continues the uninterrupted trajectory, its base reloaded from model.init_from; a resume
+fsdp at world 3 continues the uninterrupted trajectory, its base reloaded from model.init_from, and so
+does fsdp resuming its own checkpoint (DCP) at world 2 onto the seeded base; a resume
 onto another base is refused in one line (exit 2); `zerodp verify` passes on a LoRA config; under bf16
 the frozen base is held in 2 bytes per parameter by ddp and, sharded, by fsdp.
 One launch per world size runs every training of the file."""
@@ -68,6 +69,9 @@ def lora(tmp_path_factory):
     plans[2] += [("split", "gpt2", split),
                  ("ddp-bf16", "gpt2", ["strategy.name=ddp", "train.precision=bf16", f"train.out_dir={root / 'b1'}"]),
                  ("fsdp-bf16", "gpt2", ["strategy.name=fsdp", "train.precision=bf16", f"train.out_dir={root / 'b2'}"])]
+    plans[2] += [("fsdp-split", "llama", ["strategy.name=fsdp", f"train.out_dir={root / 'fsdp-split'}",
+                                          "train.max_steps=2"]),
+                 ("fsdp-resumed", "llama", ["strategy.name=fsdp", f"train.out_dir={root / 'fsdp-split'}"])]
     plans[3] += [("resumed", "gpt2", ["strategy.name=fsdp", f"train.out_dir={root / 'split'}"])]
     verify = ["configs/llama-tiny.yaml", *overrides(root, "llama"), "strategy.name=ddp",
               f"train.out_dir={root / 'verify' / 'run'}", "--against", "strategy.name=fsdp", "--steps", "2"]
@@ -77,7 +81,7 @@ def lora(tmp_path_factory):
         for label, family, extra in plan:
             own = [f"strategy.name={label}", f"train.out_dir={root / f'{family}-{label}-{world}'}"]
             runs.append({"overrides": overrides(root, family) + (extra or own),
-                         "fresh": label != "resumed"})
+                         "fresh": not label.endswith("resumed")})
         calls = [{"target": "tests.support.workers:train_runs", "kwargs": {"runs": runs}}]
         if world == 2:
             calls.append({"target": "tests.support.verify_workers:verify", "kwargs": {"calls": [verify]}})
@@ -152,6 +156,19 @@ def test_ddp_at_world_2_resumed_by_fsdp_at_world_3_continues_the_run(lora):
     ours, theirs = adapters_of(resumed["weights"]), adapters_of(straight["weights"])
     assert max((ours[n] - theirs[n]).abs().max().item() for n in ours) < TOLERANCE
     start = load_file(root / "base-gpt2.safetensors")  # the base came back from model.init_from
+    assert all(torch.equal(resumed["weights"][n], t) for n, t in start.items())
+
+
+def test_fsdp_resumes_its_own_lora_checkpoint_at_the_same_world_size(lora):
+    """fsdp's own loader (DCP, the adapters alone) onto the seeded base."""
+    _, results = lora
+    straight = results[("llama", "single", 1)]
+    first, resumed = results[("llama", "fsdp-split", 2)], results[("llama", "fsdp-resumed", 2)]
+    both = first["losses"] + resumed["losses"]
+    assert len(both) == STEPS and max(abs(a - b) for a, b in zip(both, straight["losses"])) < TOLERANCE
+    ours, theirs = adapters_of(resumed["weights"]), adapters_of(straight["weights"])
+    assert max((ours[n] - theirs[n]).abs().max().item() for n in ours) < TOLERANCE
+    start = base_weights("llama", 1337)
     assert all(torch.equal(resumed["weights"][n], t) for n, t in start.items())
 
 

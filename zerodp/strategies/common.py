@@ -55,7 +55,8 @@ def param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]
 
 
 def save_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: Path, extra: dict) -> None:
-    """Write full fp32 weights and per-parameter AdamW state as safetensors (the zerodp layout).
+    """Write full fp32 weights and per-parameter AdamW state as safetensors (the zerodp layout), of the
+    optimizer's parameters: every one, or a LoRA run's adapters alone (its frozen base is not saved).
 
     model.safetensors: {name: fp32 weight}; optim.safetensors: {name/exp_avg, name/exp_avg_sq};
     optim.json: AdamW step per parameter and the strategy's `extra` state (e.g. the loss scale)."""
@@ -130,7 +131,8 @@ def replicated_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, 
 
 
 def replicated_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """What a rank holding everything holds: fp32 params (= master weights), fp32 grads, moments."""
+    """What a rank holding everything holds: params as held (fp32 master weights; a LoRA run's frozen
+    base in train.precision's dtype), grads (fp32, of the trained parameters only), moments."""
     params = list(model.parameters())
     return {
         "params": tensor_bytes(params),

@@ -2,7 +2,9 @@
 
 Gradient accumulation uses DDP's `no_sync()` on all but the last micro batch, so gradients cross the
 network once per optimizer step. Mixed precision is autocast over fp32 parameters: the fp32 weights are
-the master weights, gradients are fp32 and reduced in fp32.
+the master weights, gradients are fp32 and reduced in fp32. With model.lora the frozen base is held in
+train.precision's dtype (2 bytes a parameter in bf16/fp16: nothing updates it, so it needs no master
+copy); DDP reduces the adapters' gradients only, AdamW keeps their moments only.
 """
 
 from __future__ import annotations

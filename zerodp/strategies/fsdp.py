@@ -12,6 +12,9 @@ Precision: the sharded fp32 parameters are the master weights. For bf16/fp16 FSD
 parameters to 16 bits for compute and reduce-scatters gradients in fp32 into fp32 gradient shards; the
 optimizer steps the fp32 shards. fp16 adds dynamic loss scaling with torch.amp.GradScaler, whose
 inf/nan check is reduced over all ranks for DTensor gradients (a step is skipped everywhere or nowhere).
+With model.lora the frozen base is sharded in train.precision's dtype (FSDP2 asks one dtype of a unit's
+trained parameters only: the fp32 adapters, its master weights; their gradients alone are reduced) and
+the checkpoint holds the adapters and their AdamW state (the base comes from model.init_from or the seed).
 """
 
 from __future__ import annotations

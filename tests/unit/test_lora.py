@@ -7,6 +7,7 @@ weights lack the adapters, a LoRA checkpoint lacks the base), and the base's ide
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -133,6 +134,15 @@ def test_start_check_takes_a_base_without_adapters_and_a_lora_checkpoint_without
     assert "of this model's parameters are missing there" in strict.problem
     save_file({n: torch.zeros(s) for n, s in adapters.items()}, tmp_path / "adapters.safetensors")
     assert check_model(tmp_path / "adapters.safetensors", model_cfg, everything, may_lack=list(shapes)).problem is None
+    # a checkpoint of the base model records its model section, without model.lora: the base check lets
+    # that key differ, a resume's does not
+    full = tmp_path / "full"
+    full.mkdir()
+    save_file({n: p.detach().contiguous() for n, p in donor.named_parameters()}, full / "model.safetensors")
+    recorded = {"model": load_config(None, TINY).to_dict()["model"]}
+    (full / "meta.json").write_text(json.dumps({"format_version": 1, "step": 0, "files": {}, "config": recorded}))
+    assert check_model(full, model_cfg, everything, may_lack=list(adapters), free=("lora",)).problem is None
+    assert "model.lora={} there" in check_model(full, model_cfg, everything, may_lack=list(adapters)).problem
     # adapters are no base model
     wrong = check_model(tmp_path / "adapters.safetensors", model_cfg, everything, may_lack=list(adapters))
     assert f"{len(shapes)} of this model's parameters are missing there" in wrong.problem

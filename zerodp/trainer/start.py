@@ -144,7 +144,7 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
     elif cfg.model.init_from:
         path = cfg.model.init_from
         # a base model's weights lack the adapters: they start from their initial values (or model.lora.init_from)
-        check = checkpoint.check_model(path, model_cfg, shapes, may_lack=list(adapters))
+        check = checkpoint.check_model(path, model_cfg, shapes, may_lack=list(adapters), free=("lora",))
         if check.problem:
             fix = (f"set model.hf_config: {path} (its config.json gives every dimension)" if check.hf_config
                    else "set the model section to the checkpoint's dimensions")

@@ -9,7 +9,7 @@ the model's bytes) and meta.json names the base (zerodp.checkpoint.lora_base); d
 fsdp at world 3 continues the uninterrupted trajectory, its base reloaded from model.init_from, and so
 does fsdp resuming its own checkpoint (DCP) at world 2 onto the seeded base; a resume
 onto another base is refused in one line (exit 2); `zerodp verify` passes on a LoRA config; under bf16
-the frozen base is held in 2 bytes per parameter by ddp and, sharded, by fsdp.
+and fp16 the frozen base is held in 2 bytes per parameter by ddp and (bf16), sharded, by fsdp.
 One launch per world size runs every training of the file."""
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def lora(tmp_path_factory):
     split = ["strategy.name=ddp", f"train.out_dir={root / 'split'}", "train.max_steps=2"]
     plans[2] += [("split", "gpt2", split),
                  ("ddp-bf16", "gpt2", ["strategy.name=ddp", "train.precision=bf16", f"train.out_dir={root / 'b1'}"]),
-                 ("fsdp-bf16", "gpt2", ["strategy.name=fsdp", "train.precision=bf16", f"train.out_dir={root / 'b2'}"])]
+                 ("fsdp-bf16", "gpt2", ["strategy.name=fsdp", "train.precision=bf16", f"train.out_dir={root / 'b2'}"]),
+                 ("ddp-fp16", "gpt2", ["strategy.name=ddp", "train.precision=fp16", f"train.out_dir={root / 'h1'}"])]
     plans[2] += [("fsdp-split", "llama", ["strategy.name=fsdp", f"train.out_dir={root / 'fsdp-split'}",
                                           "train.max_steps=2"]),
                  ("fsdp-resumed", "llama", ["strategy.name=fsdp", f"train.out_dir={root / 'fsdp-split'}"])]
@@ -196,13 +197,18 @@ def test_bf16_holds_the_frozen_base_in_16_bits(lora):
     base = sum(math.prod(s) for s in param_shapes(cfg.model).values())
     adapters = adapter_shapes(arch_of(cfg.model), lora_spec(cfg.model.lora))
     trained = sum(math.prod(s) for s in adapters.values())
-    ddp, fsdp = results[("gpt2", "ddp-bf16", 2)], results[("gpt2", "fsdp-bf16", 2)]
+    ddp, fsdp, fp16 = (results[("gpt2", f"{name}", 2)] for name in ("ddp-bf16", "fsdp-bf16", "ddp-fp16"))
     fp32 = results[("gpt2", "fsdp", 2)]
-    assert ddp["state_bytes"]["params"] == 2 * base + 4 * trained
-    assert ddp["state_bytes"]["optim"] == 8 * trained + 4 * len(adapters)  # exp_avg, exp_avg_sq, step
+    for run in (ddp, fp16):
+        assert run["state_bytes"]["params"] == 2 * base + 4 * trained
+        assert run["state_bytes"]["optim"] == 8 * trained + 4 * len(adapters)  # exp_avg, exp_avg_sq, step
     # fsdp: a shard of each (rows padded to the world size), the base's in 2 bytes
     assert (2 * base + 4 * trained) / 2 <= fsdp["state_bytes"]["params"] < 1.05 * (2 * base + 4 * trained) / 2
     assert fp32["state_bytes"]["params"] >= (4 * base + 4 * trained) / 2
-    for run in (ddp, fsdp):  # the same trajectory within the 16-bit band of zerodp verify (docs/strategies.md)
+    start = load_file(root / "base-gpt2.safetensors")
+    for run, dtype in ((ddp, torch.bfloat16), (fsdp, torch.bfloat16), (fp16, torch.float16)):
+        # the same trajectory within the 16-bit band of zerodp verify (docs/strategies.md)
         ref = results[("gpt2", "single", 1)]["losses"]
         assert max(abs(a - b) / b for a, b in zip(run["losses"], ref)) < 1e-2, (run["losses"], ref)
+        # the base as loaded, rounded once to 16 bits, and never updated
+        assert all(torch.equal(run["weights"][n], t.to(dtype).float()) for n, t in start.items())

@@ -124,6 +124,7 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
         meta = checkpoint.read_meta(plan.resume_from)
         if adapters:  # the adapters go back onto the base they were trained on, or the run stops here
             check_base(plan.resume_from, meta.get("lora"), cfg)
+            plan.init_from = cfg.model.init_from  # the base: the checkpoint holds none
         plan.step = int(meta["step"])
         if plan.step >= cfg.train.max_steps:  # before the data check: a finished run says only this
             plan.why = (f"nothing to train: {plan.resume_from} is at step {plan.step} and train.max_steps is "
@@ -138,8 +139,7 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
             plan.why += "; it holds weights only, no AdamW moments: AdamW starts fresh"
         plan.why += "".join(f"; {line}" for line in plan.carried.said)
         plan.superseded = superseded_note(out_dir, plan.step)
-        if adapters and cfg.model.init_from:
-            plan.init_from = cfg.model.init_from
+        if plan.init_from:
             plan.why += f"; the base model from {plan.init_from} (model.init_from)"
     elif cfg.model.init_from:
         path = cfg.model.init_from

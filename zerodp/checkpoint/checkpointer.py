@@ -67,14 +67,16 @@ class Checkpointer:
                 self.busy = False
 
     def restore(self, resume_from: Path | None, init_from: str | None, world_size: int) -> dict:
-        """Collective: load the checkpoint `resume_from` (any strategy, any world size saved it), or
-        the `init_from` weights with a fresh AdamW; return the trainer state ({} at step 0)."""
-        if resume_from is not None:
-            return store.load(self.strategy, resume_from, world_size)
+        """Collective: load the `init_from` weights (with a fresh AdamW), then the checkpoint `resume_from`
+        (any strategy, any world size saved it): both for a LoRA run, whose checkpoints hold the adapters
+        and whose base comes from init_from; at step 0 a LoRA run's adapters may come from a PEFT folder
+        (model.lora.init_from); return the trainer state ({} at step 0)."""
         if init_from:
             store.init_from(self.strategy, init_from)
+        if resume_from is not None:
+            return store.load(self.strategy, resume_from, world_size)
         lora = (self.meta.get("config") or {}).get("model", {}).get("lora") or {}
-        if resume_from is None and lora.get("init_from"):  # model.lora.init_from: the adapters from a PEFT folder
+        if lora.get("init_from"):  # model.lora.init_from: the adapters from a PEFT folder, over the base
             from zerodp.convert.peft import load_adapters
 
             load_adapters(self.strategy, init_from, self.meta["config"])

@@ -302,12 +302,14 @@ class ModelCheck:
     """Whether the checkpoint's model settings came from a Hugging Face config.json beside its weights."""
 
 
-def check_model(path: str | Path, model_cfg: dict, shapes: dict[str, tuple]) -> ModelCheck:
+def check_model(path: str | Path, model_cfg: dict, shapes: dict[str, tuple], may_lack=(), free=()) -> ModelCheck:
     """Compare the model a checkpoint holds with the configured one, before anything is loaded or
     written: first the model settings it records (meta.json's, or a Hugging Face folder's config.json
     read through zerodp.models.hf: arch, widths, heads, kv heads, tying, norm and rope), naming each
-    differing key, then the parameter names and shapes. Keys left null on either side count as their
-    family's default. Reads metadata only (headers, manifests), no tensor data."""
+    differing key, then the parameter names and shapes (those of `may_lack` may be missing there: a
+    LoRA run's base in its own checkpoints, its adapters in the base model's weights). Keys left null on
+    either side count as their family's default; the keys of `free` may differ too (model.lora, where a
+    LoRA run starts from a base model's weights). Reads metadata only (headers, manifests), no tensor data."""
     from zerodp.convert import open_checkpoint
     from zerodp.convert.full_state import FullState
 
@@ -316,8 +318,8 @@ def check_model(path: str | Path, model_cfg: dict, shapes: dict[str, tuple]) -> 
         saved = _effective((source.meta.get("config") or {}).get("model") or {})
         ours = _effective(model_cfg)
         diffs = [f"model.{k}={saved[k]!r} there, {v!r} here" for k, v in ours.items()
-                 if k not in FREE_MODEL_KEYS and k in saved and saved[k] != v]
-        problem = ", ".join(diffs) if diffs else state.mismatch(shapes)
+                 if k not in FREE_MODEL_KEYS and k not in free and k in saved and saved[k] != v]
+        problem = ", ".join(diffs) if diffs else state.mismatch(shapes, may_lack)
         return ModelCheck(problem, state.with_optimizer, "hf_config" in source.meta)
 
 

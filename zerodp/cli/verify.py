@@ -70,10 +70,13 @@ def parse_against(text: str) -> tuple[list[str], int | None]:
     return overrides, nproc
 
 
-def model_shapes(cfg) -> dict[str, tuple]:
+def model_shapes(cfg, trained_only: bool = False) -> dict[str, tuple]:
+    """{name: shape} of cfg's parameters; `trained_only`: those a checkpoint holds and training changes
+    (a LoRA run's adapters: its frozen base is neither saved nor updated)."""
     from zerodp.models import build_model
 
-    return {n: tuple(p.shape) for n, p in build_model(cfg.model, device="meta").named_parameters()}
+    return {n: tuple(p.shape) for n, p in build_model(cfg.model, device="meta").named_parameters()
+            if p.requires_grad or not trained_only}
 
 
 def check_inputs(args) -> tuple:
@@ -136,7 +139,7 @@ def _verify(args) -> int:
         if rank0:
             from zerodp.trainer.compare import compare_runs, tolerance_for
 
-            verdict = compare_runs(work / "a", work / "b", model_shapes(cfg_a),
+            verdict = compare_runs(work / "a", work / "b", model_shapes(cfg_a, trained_only=True),
                                    tolerance_for(cfg_a.train.precision, cfg_b.train.precision))
             print(verdict.report(f"{args.config} as written", f"--against {args.against}"), flush=True)
             if keep:

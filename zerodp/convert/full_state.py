@@ -55,6 +55,11 @@ class FullState:
         raise CheckpointError(f"{self.source.path} has no parameter {name!r} (it has {len(self.names)}, e.g. "
                               f"{sorted(self.names)[:3]}); the model config must describe the checkpoint's model")
 
+    def holds(self, name: str) -> bool:
+        """Whether the source holds the model's parameter `name` (itself or its tied source): a LoRA
+        checkpoint holds the adapters only, a base model's weights none of them."""
+        return name in self.stored or self.aliases.get(name) in self.stored
+
     def stored_name(self, name: str) -> str:
         """The source's name for the model's parameter `name`."""
         return self._stored(name)[0]
@@ -100,17 +105,20 @@ class FullState:
     def has(self, name: str, kind: str) -> bool:
         return self.source.has(self._stored(name)[0], kind)
 
-    def mismatch(self, shapes: dict[str, tuple]) -> str | None:
+    def mismatch(self, shapes: dict[str, tuple], may_lack=()) -> str | None:
         """Why the source cannot fill a model with these parameter `shapes` (None when it can): names
-        missing there, names there this model lacks, and shapes that differ, each with examples."""
+        missing there (but those of `may_lack`: what comes from elsewhere, as LoRA's base or its
+        adapters), names there this model lacks, and shapes that differ, each with examples."""
         from zerodp.errors import CheckpointError
 
         used, missing, wrong = set(), [], []
+        may_lack = set(may_lack)
         for name, shape in shapes.items():
             try:
                 stored, _ = self._stored(name)
             except CheckpointError:
-                missing.append(name)
+                if name not in may_lack:
+                    missing.append(name)
                 continue
             used.add(stored)
             have = self.shape(name)

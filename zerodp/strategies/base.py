@@ -70,7 +70,8 @@ class Strategy(Protocol):
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         """`model` is on the meta device (no storage): materialise only what this rank keeps, on its
         device, filled from `model.initial_values(name, ctx.cfg.train.seed, start, stop)` for the
-        elements it holds; wrap it; build AdamW over `zerodp.optim.param_groups(model, cfg)`."""
+        elements it holds (frozen parameters, a LoRA run's base, in train.precision's dtype:
+        zerodp.strategies.common.hold_frozen); wrap it; build AdamW over `zerodp.optim.param_groups(model, cfg)`."""
 
     def micro_step(self, is_last: bool) -> AbstractContextManager:
         """Context for one micro-batch's forward and backward; gradients are reduced only when is_last."""
@@ -91,7 +92,8 @@ class Strategy(Protocol):
         (DeepSpeed's inf after a skipped step, nan where it computed none)."""
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now, counted from live tensors: keys 'params', 'grads', 'optim'."""
+        """Bytes this rank holds now, counted from live tensors: keys 'params' (a LoRA run's frozen base
+        in the dtype it is held in), 'grads' (the trained parameters'), 'optim'."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the full fp32 model weights (by the model's own parameter names) on every rank."""
@@ -103,6 +105,9 @@ class Strategy(Protocol):
         """Collective: restore model and optimizer state saved by `save` at the same world size."""
 
     def load_full(self, state: "FullState") -> None:
-        """Start from full fp32 tensors by parameter name (weights; AdamW moments and step when
-        `state.with_optimizer`), as read from any checkpoint by zerodp.convert: what makes checkpoints
-        move between strategies and world sizes. Every rank keeps only its own part."""
+        """Start from full fp32 tensors by parameter name, as read from any checkpoint by zerodp.convert:
+        what makes checkpoints move between strategies and world sizes. Every rank keeps only its own
+        part. Copies every parameter the state holds, frozen or not (a LoRA run's base, cast to the dtype
+        it is held in); with LoRA a parameter the state lacks keeps its value (its checkpoints hold no
+        base, a base model's weights no adapters: zerodp.strategies.common.loaded_params); AdamW moments
+        and step, when `state.with_optimizer`, for the trained parameters only."""

@@ -55,7 +55,8 @@ def param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]
 
 
 def save_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, ckpt_dir: Path, extra: dict) -> None:
-    """Write full fp32 weights and per-parameter AdamW state as safetensors (the zerodp layout).
+    """Write full fp32 weights and per-parameter AdamW state as safetensors (the zerodp layout), of the
+    optimizer's parameters: every one, or a LoRA run's adapters alone (its frozen base is not saved).
 
     model.safetensors: {name: fp32 weight}; optim.safetensors: {name/exp_avg, name/exp_avg_sq};
     optim.json: AdamW step per parameter and the strategy's `extra` state (e.g. the loss scale)."""
@@ -130,7 +131,8 @@ def replicated_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, 
 
 
 def replicated_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """What a rank holding everything holds: fp32 params (= master weights), fp32 grads, moments."""
+    """What a rank holding everything holds: params as held (fp32 master weights; a LoRA run's frozen
+    base in train.precision's dtype), grads (fp32, of the trained parameters only), moments."""
     params = list(model.parameters())
     return {
         "params": tensor_bytes(params),
@@ -139,14 +141,40 @@ def replicated_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -
     }
 
 
+def hold_frozen(model: nn.Module, precision: str) -> None:
+    """On the meta device, before the model is materialised or sharded: frozen parameters (LoRA's base)
+    held in train.precision's dtype, 2 bytes each in bf16/fp16 (never updated, they need no fp32 master
+    copy); trained ones (the adapters) stay fp32, AdamW's master weights. Tied weights stay one tensor."""
+    if precision == "fp32":
+        return
+    dtype = DTYPES[precision]
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.requires_grad and p.dtype != dtype:
+                module._parameters[name] = nn.Parameter(p.to(dtype), requires_grad=False)
+    model.tie_weights()  # each alias was replaced on its own: point it at its source's new tensor again
+
+
+def loaded_params(model: nn.Module, state: FullState) -> list[tuple[str, nn.Parameter]]:
+    """The parameters `load_full` copies from `state` (every strategy's contract): all of them, and for a
+    LoRA model (frozen parameters beside trained ones) those the state holds: its checkpoints hold the
+    adapters only (the base came from model.init_from or the seed), a base model's weights lack the
+    adapters (they keep their initial values). A full model's missing parameter raises CheckpointError."""
+    params = list(model.named_parameters())
+    if all(p.requires_grad for _, p in params):
+        return params
+    return [(n, p) for n, p in params if state.holds(n)]
+
+
 def load_full_replicated(model: nn.Module, optimizer: torch.optim.Optimizer, state: FullState) -> None:
-    """Every rank holds everything (single, ddp): copy weights, and AdamW state if the source has it."""
-    names = param_names(model, optimizer)
-    flat = [p for g in optimizer.param_groups for p in g["params"]]
+    """Every rank holds everything (single, ddp): copy every weight the state holds (frozen ones too: the
+    base of a LoRA run, in the dtype it is held in), and with `state.with_optimizer` the AdamW state of
+    the trained ones."""
+    trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
     with torch.no_grad():
-        for n, p in zip(names, flat):
+        for n, p in loaded_params(model, state):
             p.copy_(state.get(n, "param", p.shape))
-            if state.with_optimizer:
+            if state.with_optimizer and id(p) in trained:
                 optimizer.state[p] = {
                     "step": adam_step(optimizer, p, state.step(n)),
                     "exp_avg": state.get(n, "exp_avg", p.shape).to(p.device, p.dtype),

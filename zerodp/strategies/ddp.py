@@ -2,7 +2,9 @@
 
 Gradient accumulation uses DDP's `no_sync()` on all but the last micro batch, so gradients cross the
 network once per optimizer step. Mixed precision is autocast over fp32 parameters: the fp32 weights are
-the master weights, gradients are fp32 and reduced in fp32.
+the master weights, gradients are fp32 and reduced in fp32. With model.lora the frozen base is held in
+train.precision's dtype (2 bytes a parameter in bf16/fp16: nothing updates it, so it needs no master
+copy); DDP reduces the adapters' gradients only, AdamW keeps their moments only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from zerodp.strategies.common import (
     FullState,
     autocast_context,
     grad_scale,
+    hold_frozen,
     load_full_replicated,
     load_replicated,
     local_grad_norms,
@@ -41,6 +44,7 @@ class DDPStrategy:
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx
+        hold_frozen(model, ctx.cfg.train.precision)  # LoRA's frozen base in 16 bits under bf16/fp16
         self.module = materialise(model, ctx.device, ctx.cfg.train.seed)
         self.model = DistributedDataParallel(
             self.module,

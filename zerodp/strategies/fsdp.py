@@ -12,6 +12,9 @@ Precision: the sharded fp32 parameters are the master weights. For bf16/fp16 FSD
 parameters to 16 bits for compute and reduce-scatters gradients in fp32 into fp32 gradient shards; the
 optimizer steps the fp32 shards. fp16 adds dynamic loss scaling with torch.amp.GradScaler, whose
 inf/nan check is reduced over all ranks for DTensor gradients (a step is skipped everywhere or nowhere).
+With model.lora the frozen base is sharded in train.precision's dtype (FSDP2 asks one dtype of a unit's
+trained parameters only: the fp32 adapters, its master weights; their gradients alone are reduced) and
+the checkpoint holds the adapters and their AdamW state (the base comes from model.init_from or the seed).
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ from zerodp.strategies.common import (
     DTYPES,
     FullState,
     grad_scale,
+    hold_frozen,
+    loaded_params,
     local_grad_norms,
     optimizer_state_tensors,
     set_lr,
@@ -129,7 +134,9 @@ class FSDPStrategy:
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx
         # Sharded while still on the meta device, then each rank allocates only its own shards, on its
-        # device (or in host memory with offload), and fills them with their initial values.
+        # device (or in host memory with offload), and fills them with their initial values. LoRA's frozen
+        # base is sharded in train.precision's dtype (FSDP2 asks one dtype of the trained parameters only).
+        hold_frozen(model, ctx.cfg.train.precision)
         self.model = apply_fsdp(model, ctx)
         offloaded = ctx.cfg.strategy.offload_params or ctx.cfg.strategy.offload_optimizer
         self.model.to_empty(device="cpu" if offloaded else ctx.device)
@@ -275,7 +282,13 @@ class FSDPStrategy:
         tied = self.model.tied_weights()
         for alias in tied:  # one name per tensor: the tied alias is restored from its source on load
             model_sd.pop(alias, None)
-        return {"model": model_sd, "optim": optim_sd}, tied
+        return {"model": self._trained_only(model_sd), "optim": optim_sd}, tied
+
+    def _trained_only(self, model_sd: dict) -> dict:
+        """A LoRA run's checkpoint holds the adapters alone: its frozen base comes from model.init_from
+        or the seed (zerodp.checkpoint.lora_base); a full model's holds every weight."""
+        frozen = {n for n, p in self.model.named_parameters() if not p.requires_grad}
+        return {k: v for k, v in model_sd.items() if k not in frozen} if frozen else model_sd
 
     def _scaler_state(self) -> dict | None:
         return self.scaler.state_dict() if self.scaler.is_enabled() else None
@@ -303,24 +316,28 @@ class FSDPStrategy:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions())
         for alias in meta["tied"]:
             model_sd.pop(alias, None)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": self._trained_only(model_sd), "optim": optim_sd}
+        partial = len(state["model"]) < len(model_sd)  # LoRA: the base stays as model.init_from or the seed made it
         # Reshards to this world size. Metadata and non-tensor entries go through allowlisted unpicklers:
         # loading never runs code from a checkpoint.
         dcp.load(state, storage_reader=safe_dcp_reader(ckpt_dir / meta["dcp_dir"]), planner=safe_dcp_planner())
         for alias, source in meta["tied"].items():
-            state["model"][alias] = state["model"][source]
+            if source in state["model"]:
+                state["model"][alias] = state["model"][source]
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=StateDictOptions())
+                       optim_state_dict=state["optim"], options=StateDictOptions(strict=not partial))
         if meta.get("scaler") and self.scaler.is_enabled():
             self.scaler.load_state_dict(meta["scaler"])
 
     def load_full(self, state: FullState) -> None:
-        """Start from full fp32 tensors (any checkpoint): each rank keeps only its own shard of each.
-        No communication: every rank cuts its chunk as fully_shard does (torch.chunk on dim 0)."""
+        """Start from full fp32 tensors (any checkpoint): each rank keeps only its own shard of each, of
+        every parameter the state holds (zerodp.strategies.common.loaded_params: a LoRA run's frozen base
+        too, in the dtype it is held in), and with `state.with_optimizer` the AdamW state of the trained
+        ones. No communication: every rank cuts its chunk as fully_shard does (torch.chunk on dim 0)."""
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, p in loaded_params(self.model, state):
                 _copy_shard(p, state.get(name, "param", p.shape))
-                if not state.with_optimizer:
+                if not state.with_optimizer or not p.requires_grad:
                     continue
                 moments = {}
                 for kind in ("exp_avg", "exp_avg_sq"):

@@ -16,6 +16,7 @@ from zerodp.strategies.common import (
     FullState,
     autocast_context,
     grad_scale,
+    hold_frozen,
     load_full_replicated,
     load_replicated,
     local_grad_norms,
@@ -34,6 +35,7 @@ class SingleStrategy:
 
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         self.ctx = ctx
+        hold_frozen(model, ctx.cfg.train.precision)  # LoRA's frozen base in 16 bits under bf16/fp16
         self.model = materialise(model, ctx.device, ctx.cfg.train.seed)
         self.optimizer = adamw(param_groups(self.model, ctx.cfg), ctx.cfg, ctx.device.type)
         # fp16 needs dynamic loss scaling; bf16 and fp32 do not (scaler disabled = identity).

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zerodp.checkpoint.checkpointer import Checkpointer
+from zerodp.checkpoint.lora_base import lora_record
 from zerodp.config import Config, dump_yaml
 from zerodp.config.sources import primary_source
 from zerodp.data.batches import TokenBatches, prefetch, prepared_meta
@@ -58,7 +59,12 @@ def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, mod
                  "eot_id": prepared.get("eot_id"), "special_tokens": prepared.get("special_tokens", True),
                  **({"chat": chat_record(prepared)} if chat_record(prepared) else {})} if prepared else None
     origin = origin_config(cfg.model.hf_config, cfg.model.init_from)  # its context, rope: what an export keeps
+    # a LoRA checkpoint holds the adapters alone (and their AdamW state), and names the base they need:
+    # its identity is hashed once, by rank 0, which alone writes meta.json
+    lora = lora_record(cfg) if cfg.model.lora and env.rank == 0 else None
+    held = [(n, p) for n, p in model.named_parameters() if p.requires_grad or not cfg.model.lora]
     return {
+        **({"lora": lora} if lora else {}),
         **({"tokenizer": tokenizer} if tokenizer and tokenizer["path"] else {}),
         **({ORIGIN: origin} if origin else {}),
         "strategy": strategy_name,
@@ -66,7 +72,7 @@ def run_metadata(cfg: Config, strategy_name: str, layout: str, env: DistEnv, mod
         "layout": layout,
         "precision": cfg.train.precision,
         "config": cfg.to_dict(),
-        "params": {n: {"shape": list(p.shape), "dtype": "float32"} for n, p in model.named_parameters()},
+        "params": {n: {"shape": list(p.shape), "dtype": "float32"} for n, p in held},
         "tied": model.tied_weights(),
         "torch_version": torch.__version__,
     }
@@ -149,7 +155,7 @@ def nothing_to_train(cfg: Config, env: DistEnv, ready: Ready, return_weights: bo
                "exit_code": 0, "final_step": ready.start.step, "nothing_to_train": True}
     if return_weights:
         strategy, checkpointer = set_up(cfg, env, ready.grad_accum)
-        checkpointer.restore(ready.start.resume_from, None, env.world_size)
+        checkpointer.restore(ready.start.resume_from, ready.start.init_from, env.world_size)
         summary["weights"] = strategy.full_state_dict()
     return summary
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerodp.checkpoint import store as checkpoint
+from zerodp.checkpoint.lora_base import check_base
 from zerodp.checkpoint.manifest import checkpoint_order, is_step_name, step_dir_name
 from zerodp.config import Config
 from zerodp.errors import UserError
@@ -29,7 +30,8 @@ class StartPlan:
     weights_only: bool = False
     """The checkpoint (or init_from) holds no AdamW moments: AdamW starts fresh."""
     init_from: str | None = None
-    """Weights to start from at step 0 (model.init_from), when not resuming."""
+    """Weights to start from at step 0 (model.init_from), when not resuming; for a LoRA run on resume too:
+    its base, which its checkpoints do not hold (they hold the adapters)."""
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """Damaged checkpoints passed over (name, what is wrong), newest first."""
     why: str = ""
@@ -70,7 +72,8 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
     Collective when a process group is up (the resume lookup shares its sha256 reading over the
     ranks); the model check reads metadata on rank 0 only, and the caller shares its verdict
     (`zerodp.trainer.preflight.agree`)."""
-    from zerodp.models import param_shapes
+    from zerodp.models import arch_of, param_shapes
+    from zerodp.models.lora_spec import adapter_shapes, lora_spec
 
     out_dir = Path(cfg.train.out_dir)
     plan = StartPlan()
@@ -108,10 +111,13 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
     if rank != 0:
         return plan
     model_cfg = cfg.to_dict()["model"]
-    shapes = None
+    spec = lora_spec(cfg.model.lora)
+    shapes, adapters = param_shapes(cfg.model), adapter_shapes(arch_of(cfg.model), spec) if spec else {}
+    shapes.update(adapters)
     if plan.resume_from is not None:
-        shapes = param_shapes(cfg.model)
-        check = checkpoint.check_model(plan.resume_from, model_cfg, shapes)
+        # a LoRA checkpoint holds the adapters only: the base comes from model.init_from or the seed
+        base = [n for n in shapes if n not in adapters] if adapters else ()
+        check = checkpoint.check_model(plan.resume_from, model_cfg, shapes, may_lack=base)
         if check.problem:
             raise UserError(
                 f"{plan.resume_from} holds a different model than this config ({check.problem}); rerun with "
@@ -119,6 +125,9 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
                 f"aside, not deleted) or another train.out_dir")
         plan.weights_only = not check.has_optimizer
         meta = checkpoint.read_meta(plan.resume_from)
+        if adapters:  # the adapters go back onto the base they were trained on, or the run stops here
+            check_base(plan.resume_from, meta.get("lora"), cfg)
+            plan.init_from = cfg.model.init_from  # the base: the checkpoint holds none
         plan.step = int(meta["step"])
         if plan.step >= cfg.train.max_steps:  # before the data check: a finished run says only this
             plan.why = (f"nothing to train: {plan.resume_from} is at step {plan.step} and train.max_steps is "
@@ -133,10 +142,12 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
             plan.why += "; it holds weights only, no AdamW moments: AdamW starts fresh"
         plan.why += "".join(f"; {line}" for line in plan.carried.said)
         plan.superseded = superseded_note(out_dir, plan.step)
+        if plan.init_from:
+            plan.why += f"; the base model from {plan.init_from} (model.init_from)"
     elif cfg.model.init_from:
         path = cfg.model.init_from
-        shapes = shapes or param_shapes(cfg.model)
-        check = checkpoint.check_model(path, model_cfg, shapes)
+        # a base model's weights lack the adapters: they start from their initial values (or model.lora.init_from)
+        check = checkpoint.check_model(path, model_cfg, shapes, may_lack=list(adapters), free=("lora",))
         if check.problem:
             fix = (f"set model.hf_config: {path} (its config.json gives every dimension)" if check.hf_config
                    else "set the model section to the checkpoint's dimensions")

@@ -1,0 +1,132 @@
+"""The identity of a LoRA run's base model: which frozen weights its adapters were trained on.
+
+A LoRA checkpoint holds the adapters only (and their AdamW state); the base comes back from where the run
+took it, model.init_from's weights or, without one, the seeded initial values. meta.json's "lora" record
+(`lora_record`) names that source and its sha256, so a resume onto other base weights is refused
+(`check_base`) instead of silently training the adapters on a model they were not fitted to, and an
+export or merge can say which base its adapters need.
+
+The hash of an init_from source is the sha256 over its files (those the checkpoint reader reads:
+zerodp.convert.open_checkpoint's `files()`), each file's digest cached by (path, size, mtime) in
+data.cache_dir (default $ZERODP_CACHE or ~/.cache/zerodp), so a 16 GB base is read once per machine, not
+once per start; a seeded base hashes "seed:<n>" with the model section that shapes its weights.
+Torch-free apart from opening the source (zerodp.convert).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from zerodp.errors import UserError
+
+CACHE_FILE = "lora-base-sha256.json"
+# model settings that do not change the base weights (zerodp.checkpoint.store.FREE_MODEL_KEYS and the adapters)
+_NOT_WEIGHTS = ("dropout", "activation_checkpointing", "loss_chunks", "init_from", "hf_config", "lora",
+                "document_attention")
+
+
+def cache_dir(cfg) -> Path:
+    """Where the per-file digests are kept: data.cache_dir, else $ZERODP_CACHE, else ~/.cache/zerodp."""
+    return Path(cfg.data.cache_dir or os.environ.get("ZERODP_CACHE", Path.home() / ".cache" / "zerodp"))
+
+
+def file_sha256(path: Path, cache: Path | None) -> str:
+    """sha256 of the file at `path`, from `cache`'s record when its size and mtime are unchanged."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key, stamp = str(path), [st.st_size, st.st_mtime_ns]
+    records = {}
+    table = cache / CACHE_FILE if cache is not None else None
+    if table is not None and table.is_file():
+        try:
+            records = json.loads(table.read_text())
+        except (OSError, ValueError):
+            records = {}
+    hit = records.get(key)
+    if hit and hit.get("stamp") == stamp:
+        return hit["sha256"]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    records[key] = {"stamp": stamp, "sha256": digest.hexdigest()}
+    if table is not None:
+        try:  # a cache we cannot write costs a re-read next time, nothing else
+            table.parent.mkdir(parents=True, exist_ok=True)
+            tmp = table.with_name(f"{table.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(records))
+            os.replace(tmp, table)
+        except OSError:
+            pass
+    return records[key]["sha256"]
+
+
+@functools.lru_cache(maxsize=8)
+def _source_sha256(init_from: str, cache: str | None, stamp: tuple) -> str:
+    from zerodp.convert import open_checkpoint
+
+    with open_checkpoint(init_from) as source:
+        files = sorted({Path(f).resolve() for f in source.files() if Path(f).is_file()})
+    root = Path(init_from).resolve()
+    root = root if root.is_dir() else root.parent
+    digest = hashlib.sha256()
+    for f in files:
+        rel = os.path.relpath(f, root)
+        digest.update(f"{rel}\0{file_sha256(f, Path(cache) if cache else None)}\n".encode())
+    return digest.hexdigest()
+
+
+def seeded_sha256(model: dict, seed: int) -> str:
+    """The identity of the seeded initial weights of the model section `model` (a Config.to_dict()'s)."""
+    from zerodp.checkpoint.store import _effective  # null and the family's default are one model
+
+    shaping = {k: v for k, v in _effective(model).items() if k not in _NOT_WEIGHTS}
+    return hashlib.sha256(f"seed:{seed}\n{json.dumps(shaping, sort_keys=True)}".encode()).hexdigest()
+
+
+def base_identity(cfg) -> dict:
+    """{"init_from", "seed", "sha256"} of the base weights a run of `cfg` starts from (computed once per
+    process and init_from; the files' digests cached on disk)."""
+    init_from = cfg.model.init_from
+    if init_from:
+        p = Path(init_from)
+        stamp = (p.stat().st_mtime_ns,) if p.exists() else ()
+        sha = _source_sha256(str(p.resolve()), str(cache_dir(cfg)), stamp)
+    else:
+        sha = seeded_sha256(cfg.to_dict()["model"], cfg.train.seed)
+    return {"init_from": init_from, "seed": cfg.train.seed, "sha256": sha}
+
+
+def lora_record(cfg) -> dict | None:
+    """meta.json's "lora" entry of a run of `cfg` (None without model.lora): the adapters' settings and
+    the base's identity."""
+    from zerodp.models.lora_spec import lora_spec
+
+    spec = lora_spec(cfg.model.lora)
+    if spec is None:
+        return None
+    return {**spec.to_dict(), "base": base_identity(cfg)}
+
+
+def describe(base: dict) -> str:
+    where = f"model.init_from {base.get('init_from')}" if base.get("init_from") else f"train.seed={base.get('seed')}"
+    return f"{where} (sha256 {str(base.get('sha256'))[:12]})"
+
+
+def check_base(ckpt: Path | str, recorded: dict | None, cfg) -> None:
+    """Raise UserError (one line, naming both bases) when the base recorded in checkpoint `ckpt`'s "lora"
+    entry differs from the one `cfg` builds."""
+    if not recorded or not recorded.get("base"):
+        return
+    theirs, ours = recorded["base"], base_identity(cfg)
+    if theirs.get("sha256") == ours["sha256"]:
+        return
+    fix = (f"set model.init_from to {theirs['init_from']}" if theirs.get("init_from")
+           else f"remove model.init_from and set train.seed={theirs.get('seed')}")
+    raise UserError(f"{ckpt} holds LoRA adapters trained on another base model ({describe(theirs)} there, "
+                    f"{describe(ours)} here): they would be resumed on weights they were not fitted to; {fix}, "
+                    f"or start over with --fresh")

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.conftest import TINY
+from tests.distributed.test_zero_counters import saved_counters
 from tests.support.harness import run_distributed
 from tests.support.reference import LLAMA, reference_run
 from tests.support.sampler_workers import write_prepared
@@ -59,8 +60,10 @@ def states_worker(overrides: list[str]) -> dict:
 
     env = init_distributed("cpu")
     out = {}
-    for stage in ("zero1", "zero2", "zero3"):
-        cfg = load_config(None, overrides + [f"strategy.name={stage}"])
+    # zero1 twice: bf16 gradients (DeepSpeedZeroOptimizer) and fp32 accumulation (DeepSpeed's BF16_Optimizer)
+    for key, stage, extra in (("zero1", "zero1", []), ("zero2", "zero2", []), ("zero3", "zero3", []),
+                              ("zero1-fp32-grads", "zero1", ["strategy.grad_reduce_dtype=fp32"])):
+        cfg = load_config(None, overrides + [f"strategy.name={stage}"] + extra)
         torch.manual_seed(0)
         strategy = make_strategy(stage)
         strategy.setup(build_model(cfg.model, device="meta"),
@@ -72,9 +75,12 @@ def states_worker(overrides: list[str]) -> dict:
                 strategy.backward(strategy.model(x, x))
         strategy.step(1e-3)
         frozen = {n: p for n, p in strategy.module.named_parameters() if not p.requires_grad}
-        groups = getattr(strategy.model.optimizer, "bit16_groups", None) or strategy.model.optimizer.fp16_groups
+        zero_opt = strategy.model.optimizer
+        groups = next(getattr(zero_opt, a) for a in ("bit16_groups", "fp16_groups", "bf16_groups")
+                      if hasattr(zero_opt, a))
         in_optimizer = {id(p) for g in groups for p in g}
-        out[stage] = {
+        out[key] = {
+            "optimizer": type(zero_opt).__name__,
             "held": strategy.state_bytes(),
             "frozen": len(frozen),
             "frozen_dtypes": sorted({str(getattr(p, "ds_tensor", p).dtype) for p in frozen.values()}),
@@ -131,7 +137,8 @@ def lora(tmp_path_factory):
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(source / "step_00000002", resumed / "checkpoints" / "step_00000002")
     (resumed / "checkpoints" / "latest").write_text("step_00000002\n")
-    resume = [{"overrides": overrides(data, model, resumed) + [f"strategy.name={later}"], "fresh": False}]
+    resume = [{"overrides": overrides(data, model, resumed) + [f"strategy.name={later}", "checkpoint.every=2"],
+               "fresh": False}]
     w3 = run_distributed("tests.support.workers:several", later_world, {"calls": [
         {"target": "tests.support.workers:train_runs", "kwargs": {"runs": runs[3]}},
         {"target": "tests.distributed.test_lora_zero:resume_worker", "kwargs": {"runs": resume}}]})
@@ -211,6 +218,10 @@ def test_resume_at_another_strategy_and_world_continues(lora):
             assert (got["weights"][n] - ref).abs().max().item() < TOLERANCE, n
         else:
             assert torch.equal(got["weights"][n], start[n]), n
+    # DeepSpeed's counters and AdamW's step continue from the checkpoint's (tests/distributed/test_zero_counters.py)
+    saved = saved_counters(lora["tmp"] / "resumed" / "checkpoints" / "step_00000004" / "deepspeed")
+    assert saved["global_steps"] == STEPS and saved["global_samples"] == STEPS * GLOBAL, saved
+    assert saved["adam_steps"] and set(saved["adam_steps"]) == {float(STEPS)}, saved
 
 
 def test_init_from_loads_the_base_into_zero3_partitions(lora):

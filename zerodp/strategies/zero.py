@@ -25,7 +25,6 @@ from torch import nn
 
 from zerodp.config import Config
 from zerodp.errors import UserError
-from zerodp.models.lora_spec import is_adapter
 from zerodp.optim import adam_step, adamw, adamw_kwargs, param_groups
 from zerodp.strategies import deepspeed_ops, zero_snapshot
 from zerodp.strategies.base import RunContext
@@ -342,7 +341,7 @@ class ZeroStrategy:
         if state.with_optimizer:
             self._create_optimizer_state(state)
         rank, params = torch.distributed.get_rank(), dict(self.module.named_parameters())
-        lora = any(is_adapter(n) for n in params)
+        lora = not all(p.requires_grad for p in params.values())  # frozen beside trained: a LoRA model
         with torch.no_grad():
             for name, p in params.items():
                 if lora and not _holds(state, name):

@@ -179,9 +179,16 @@ def test_every_stage_follows_the_reference_and_keeps_the_base(lora):
             moved = min((got["weights"][n] - start[n]).abs().max().item() for n in adapters if "lora_B" in n)
             base_changed = [n for n in ref_weights
                             if not is_adapter(n) and not torch.equal(got["weights"][n], start[n])]
+            # only the adapters' gradients are reduced: a reduction that carried the base once would send at
+            # least (N-1)/N of its fp32 bytes
+            sent = got["comm"]["comm_bytes"]
+            reduced = sent.get("all_reduce", 0) + sent.get("reduce_scatter", 0)
+            base_bytes = 4 * sum(ref_weights[n].numel() for n in ref_weights if n not in adapters)
             report.append(f"{label}: max |loss diff| {loss_diff:.2e}, max |adapter diff| {weight_diff:.2e}, "
-                          f"every lora_B moved by >= {moved:.1e}, base changed: {base_changed}")
-            if len(got["losses"]) != STEPS or loss_diff >= TOLERANCE or weight_diff >= TOLERANCE or base_changed:
+                          f"every lora_B moved by >= {moved:.1e}, base changed: {base_changed}, gradient "
+                          f"reduction {reduced:,} B sent per rank and step (the base: {base_bytes:,} B)")
+            if (len(got["losses"]) != STEPS or loss_diff >= TOLERANCE or weight_diff >= TOLERANCE or base_changed
+                    or reduced >= base_bytes * (world - 1) / world):
                 failures.append(report[-1])
             if moved < 1e-4:  # trained, not just kept
                 failures.append(report[-1])

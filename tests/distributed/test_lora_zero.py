@@ -112,7 +112,7 @@ def resume_worker(runs: list[dict]) -> list:
 def lora(tmp_path_factory):
     """Every run of this module: one launch of 2 ranks (the trained runs, `states_worker`, the init_from
     run), one of 3 (its runs and the resume). {"w2", "w3", "states", "init", "resumed"}: rank 0's results;
-    "tmp", "data", "base_file"."""
+    "tmp", "data", "base" (the init_from weights)."""
     tmp = tmp_path_factory.mktemp("lora_zero")
     documents = np.random.default_rng(41).integers(3, 46, size=400).tolist()
     data = write_prepared(tmp / "documents", documents, documents[:40], targets=[0.0, 1.0, 0.05, 0.6, 0.0])

@@ -142,7 +142,8 @@ class GatheredHashes:
         model = getattr(strategy, "module", None) or strategy.model
         self.sums: dict[str, torch.Tensor] = {}
         for prefix, m in model.named_modules():
-            names = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+            # frozen ones too (a LoRA run's base): gathered as the adapters are, and a wrong copy as harmful
+            names = [n for n, _ in m.named_parameters(recurse=False)]
             if names:
                 for n in names:
                     self.sums[f"gathered/{prefix + '.' if prefix else ''}{n}"] = torch.zeros((), dtype=torch.int64,

@@ -134,6 +134,7 @@ class ZeroStrategy:
         args = SimpleNamespace(device_rank=ctx.device.index) if ctx.device.type == "cuda" else None
         self.model, _, _, _ = deepspeed.initialize(args=args, model=model, optimizer=self.optimizer, config=config)
         self.module = self.model.module
+        _drop_tied_frozen(self.model)
         self._initialise(model, ctx.cfg.train.seed)
         # Hooks on the module's parameters run before the engine's own (on autograd's gradient
         # accumulators): each micro batch's gradient, full size under ZeRO-3 too, before any reduction.
@@ -169,21 +170,36 @@ class ZeroStrategy:
         """Write every parameter's initial values (a pure function of seed and name, the same on every
         layout) into this rank's part: the ZeRO-3 partition and its fp32 master, or, for ZeRO-1/2, the
         working copy (16-bit, rounded) and the fp32 master fragment (the exact fp32 values, as one process
-        holds them), both from one draw: `_materialise` left the storage unfilled."""
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        zero_opt, rank = self.model.optimizer, torch.distributed.get_rank()
+        holds them), both from one draw: `_materialise` left the storage unfilled. A frozen parameter (a
+        LoRA run's base) has no fp32 master: DeepSpeed keeps it out of the optimizer, in the working dtype."""
+        rank = torch.distributed.get_rank()
         for name, p in self.module.named_parameters():
             if self.stage == 3:
                 start, stop = _partition_range(p, rank)
-                values = model.initial_values(name, seed, start, stop)
-                _copy_range(p.ds_tensor, values)
-                _copy_range(zero_opt._get_fp32_opt_state_partition(p, False)[0], values)
+                self._set_part(p, model.initial_values(name, seed, start, stop))
             else:  # one draw: the working copy (rounded to 16 bits) and the exact fp32 master fragment
-                values = model.initial_values(name, seed).view(p.shape)
-                p.data.copy_(values)
+                self._set_part(p, model.initial_values(name, seed).view(p.shape))
+        drop_secondary_partitions(self.model.optimizer)
+
+    def _set_part(self, p: nn.Parameter, values: torch.Tensor, kind: str = "param") -> None:
+        """Write `values` (ZeRO-3: this rank's partition of the flattened parameter, `_partition_range`;
+        ZeRO-1/2: the whole parameter) into this rank's part of `p`: for kind 'param' its working copy and,
+        if the optimizer holds it, its fp32 master; for 'exp_avg' / 'exp_avg_sq' that AdamW moment."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        trained = _optimized(p)
+        if self.stage == 3:  # p holds nothing between gathers; its partition is p.ds_tensor
+            if kind == "param":
+                _copy_range(p.ds_tensor, values)
+            if trained:
+                key = None if kind == "param" else kind
+                _copy_range(self.model.optimizer._get_fp32_opt_state_partition(p, False, key)[0], values)
+        elif kind == "param":  # replicated working copy (16-bit or fp32) + this rank's fp32 master fragment
+            p.data.copy_(values.to(p.dtype))
+            if trained:
                 safe_set_full_fp32_param(p, values)
-        drop_secondary_partitions(zero_opt)
+        elif trained:
+            safe_set_full_optimizer_state(p, values, kind)
 
     def _optimizer(self, model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
         """AdamW over zerodp's param groups; DeepSpeedCPUAdam (the same AdamW, vectorised on the CPU)
@@ -266,14 +282,27 @@ class ZeroStrategy:
         return held
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights; a frozen parameter (no master) as the engine holds it, in its working
+        dtype widened to fp32. Collective under ZeRO-3: every rank gathers every parameter in the same order."""
+        import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
 
-        # Collective under ZeRO-3: every rank gathers every parameter in the same order.
-        return {n: safe_get_full_fp32_param(p).detach().float().clone() for n, p in self.module.named_parameters()}
+        out = {}
+        for n, p in self.module.named_parameters():
+            if _optimized(p):
+                out[n] = safe_get_full_fp32_param(p).detach().float().clone()
+            elif self.stage == 3:
+                with deepspeed.zero.GatheredParameters([p]):
+                    out[n] = p.data.detach().float().clone()
+            else:
+                out[n] = p.detach().float().clone()
+        return out
 
     def save(self, ckpt_dir: Path) -> None:
         # save_latest=False: zerodp's own `latest` (one level up) is the only pointer to trust.
-        self.model.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
+        # exclude_frozen_parameters: a LoRA run saves its adapters (and their AdamW state) only; the base
+        # comes back from model.init_from or the seed, as at the start (no effect without frozen parameters).
+        self.model.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False, exclude_frozen_parameters=True)
 
     def snapshot(self, ckpt_dir: Path, buffers):  # a background save: zerodp/strategies/zero_snapshot.py
         return zero_snapshot.snapshot(self, ckpt_dir, buffers, TAG)
@@ -305,36 +334,25 @@ class ZeroStrategy:
 
     def load_full(self, state: FullState) -> None:
         """Start from full fp32 tensors (any checkpoint, any world size): set each parameter's working
-        copy, this rank's fp32 master fragment and, if the source has them, its AdamW moments.
-        Collective-free but must run on every rank in the same order."""
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-        zero_opt = self.model.optimizer
+        copy, this rank's fp32 master fragment and, if the source has them, its AdamW moments (of the
+        parameters the optimizer holds: a frozen base has none). In a LoRA model a parameter the source
+        lacks keeps its values: the adapters over a base model's weights (model.init_from), the base
+        under a LoRA checkpoint (adapters only). Collective-free but must run on every rank in the same order."""
         if state.with_optimizer:
             self._create_optimizer_state(state)
-        rank = torch.distributed.get_rank()
+        rank, params = torch.distributed.get_rank(), dict(self.module.named_parameters())
+        lora = not all(p.requires_grad for p in params.values())  # frozen beside trained: a LoRA model
         with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                shape = p.ds_shape if self.stage == 3 else p.shape
-                full = state.get(name, "param", shape)
-                if self.stage == 3:  # p holds nothing; its partition is p.ds_tensor
-                    start, stop = _partition_range(p, rank)
-                    piece = full.flatten()[start:stop]
-                    _copy_range(p.ds_tensor, piece)
-                    _copy_range(zero_opt._get_fp32_opt_state_partition(p, False)[0], piece)
-                else:  # replicated 16-bit (or fp32) working copy + this rank's fp32 master fragment
-                    p.data.copy_(full.to(p.dtype))
-                    safe_set_full_fp32_param(p, full)
-                if not state.with_optimizer:
+            for name, p in params.items():
+                if lora and not _holds(state, name):
                     continue
-                for kind in ("exp_avg", "exp_avg_sq"):
-                    value = state.get(name, kind, shape)
-                    if self.stage == 3:
-                        _copy_range(zero_opt._get_fp32_opt_state_partition(p, False, kind)[0],
-                                    value.flatten()[start:stop])
-                    else:
-                        safe_set_full_optimizer_state(p, value, kind)
-        drop_secondary_partitions(zero_opt)
+                shape = p.ds_shape if self.stage == 3 else p.shape
+                start, stop = _partition_range(p, rank) if self.stage == 3 else (0, 0)
+                kinds = ("param", "exp_avg", "exp_avg_sq") if state.with_optimizer and _optimized(p) else ("param",)
+                for kind in kinds:
+                    full = state.get(name, kind, shape)
+                    self._set_part(p, full.flatten()[start:stop] if self.stage == 3 else full, kind)
+        drop_secondary_partitions(self.model.optimizer)
         self._skipped_steps = _skipped_steps(state.source) if state.with_optimizer else 0
 
     def resume_at(self, step: int) -> None:
@@ -414,6 +432,35 @@ def _adam_step(optimizer: torch.optim.Optimizer, flat: torch.Tensor, step: float
     """torch's AdamW keeps the step as a float tensor (where zerodp.optim.adam_step puts it), DeepSpeedCPUAdam
     as an int."""
     return adam_step(optimizer, flat, step) if isinstance(optimizer, torch.optim.AdamW) else int(step)
+
+
+def _drop_tied_frozen(engine) -> None:
+    """Make `engine.module_state_dict(exclude_frozen_parameters=True)` leave out a frozen parameter under
+    every name it has: DeepSpeed 0.19 drops the names `named_parameters()` lists, which lists a tied weight
+    once, so a LoRA checkpoint of gpt2 (head tied to the embedding) would still carry the whole frozen
+    embedding as `lm_head.weight` (ZeRO-1/2 keep it whole in the module's state dict)."""
+    real = engine.module_state_dict
+
+    def module_state_dict(*args, exclude_frozen_parameters: bool = False, **kwargs):
+        sd = real(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kwargs)
+        if exclude_frozen_parameters:
+            for name, p in engine.module.named_parameters(remove_duplicate=False):
+                if not p.requires_grad:
+                    sd.pop(name, None)
+        return sd
+
+    engine.module_state_dict = module_state_dict
+
+
+def _optimized(p: torch.Tensor) -> bool:
+    """Whether DeepSpeed's ZeRO optimizer holds `p` (an fp32 master and AdamW state): trainable and not
+    empty (deepspeed.runtime.utils.is_optimized_parameter); a LoRA run's frozen base is not."""
+    return p.requires_grad and getattr(p, "ds_numel", p.numel()) > 0
+
+
+def _holds(state: FullState, name: str) -> bool:
+    """Whether `state` holds the model's parameter `name` (itself or its tied source)."""
+    return name in state.names or state.aliases.get(name) in state.names
 
 
 def _partition_range(p: torch.Tensor, rank: int) -> tuple[int, int]:

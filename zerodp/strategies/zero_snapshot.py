@@ -67,7 +67,7 @@ def snapshot(strategy, ckpt_dir: Path, buffers, tag: str) -> Callable[[], None]:
     snap = SnapshotEngine(live, buffers)
     engine.checkpoint_engine = snap
     try:
-        engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False)
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, save_latest=False, exclude_frozen_parameters=True)
     finally:
         engine.checkpoint_engine = live
     return snap.write

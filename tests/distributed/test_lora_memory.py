@@ -38,7 +38,7 @@ CASES = [  # (strategy, precision, why the current engines cannot match the plan
     ("ddp", "bf16", None),
     ("zero2", "bf16", None),  # DeepSpeed: 16-bit module (the base whole), fp32 adapter gradient partition
     # zero1 (fp32, bf16) and zero2 fp32 match as well (measured within 0.01%); each DeepSpeed engine costs ~15 s
-    ("zero3", "bf16", "zero3 does not build a LoRA model yet (issue 41)"),
+    ("zero3", "bf16", None),
 ]
 
 

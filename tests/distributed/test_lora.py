@@ -5,7 +5,7 @@ the seeded base, one conversation per sample (data.packing=false) with a loss ma
 micro batches of 2: 6, 3 and 2 accumulation steps at world 1, 2 and 3. Per-step losses and the final
 adapters agree within test_equivalence.py's 1e-5; the frozen base ends bit-identical to the weights it
 started from. A LoRA checkpoint holds the adapters and their AdamW state only (by name, a small share of
-the model's bytes) and meta.json names the base (zerodp.checkpoint.lora_base); ddp at world 2 resumed by
+the model's bytes) and meta.json names the base (zerodp.convert.lora_base); ddp at world 2 resumed by
 fsdp at world 3 continues the uninterrupted trajectory, its base reloaded from model.init_from, and so
 does fsdp resuming its own checkpoint (DCP) at world 2 onto the seeded base; a resume
 onto another base is refused in one line (exit 2); `zerodp verify` passes on a LoRA config; under bf16
@@ -27,10 +27,9 @@ from tests.support.cli_checks import one_line_error
 from tests.support.harness import run_distributed
 from tests.support.reference import LLAMA
 from tests.support.sampler_workers import write_prepared
-from zerodp.checkpoint import lora_base
 from zerodp.cli.commands import main
 from zerodp.config import load_config
-from zerodp.convert import open_checkpoint
+from zerodp.convert import lora_base, open_checkpoint
 from zerodp.models import arch_of, build_model, param_shapes
 from zerodp.models.lora_spec import adapter_shapes, is_adapter, lora_spec
 

@@ -20,6 +20,7 @@ from tests.support.cli_checks import one_line_error
 from zerodp.api import model_from_source
 from zerodp.cli.commands import main
 from zerodp.config import from_dict, resolve_model
+from zerodp.convert.lora_base import base_sha256
 from zerodp.convert.lora_source import open_model
 from zerodp.models import build_model
 from zerodp.models.hf import TRANSPOSE, to_hf
@@ -182,9 +183,19 @@ def test_eval_and_generate_see_base_plus_adapters(exported, capsys, tmp_path):
     shutil.copytree(tmp / "run" / "checkpoints" / "step_00000003", copy)
     meta = json.loads((copy / "meta.json").read_text())
     meta["config"]["model"]["init_from"] = str(base)
+    meta["lora"]["base"] = {"init_from": str(base), "seed": meta["lora"]["base"]["seed"],
+                            "sha256": base_sha256(str(base), meta["config"]["model"], 0, None)}
     (copy / "meta.json").write_text(json.dumps(meta))
     assert main(["convert", str(copy), str(tmp / "merge-init"), "--to", "hf", "--merge", "--no-progress"]) == 0
     same(tmp / "merge", tmp / "merge-init")  # (written beside the run and the base: neither one's folder)
+    # the base at that path is no longer the one the adapters were trained on: refused, nothing written
+    meta["lora"]["base"]["sha256"] = "0" * 64
+    (copy / "meta.json").write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert main(["convert", str(copy), str(tmp / "merge-other"), "--to", "hf", "--merge", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "is not the one" in err and "000000000000 recorded" in err and err.count("\n") == 1, err
+    assert not (tmp / "merge-other").exists()
 
 
 def same(one, other) -> None:

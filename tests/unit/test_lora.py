@@ -3,7 +3,7 @@ under bf16/fp16, the adapters fp32 with AdamW's moments, gradients for the adapt
 contract every strategy keeps (every parameter the state holds, frozen or not; an adapter the state lacks
 keeps its initial values; AdamW state for the trained ones), the start-up model check (a base model's
 weights lack the adapters, a LoRA checkpoint lacks the base), and the base's identity
-(zerodp.checkpoint.lora_base: cached per file, a different base refused in one line naming both)."""
+(zerodp.convert.lora_base: cached per file, a different base refused in one line naming both)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from tests.conftest import TINY
-from zerodp.checkpoint import lora_base
 from zerodp.checkpoint.store import check_model
 from zerodp.config import load_config
-from zerodp.convert import open_checkpoint
+from zerodp.convert import lora_base, open_checkpoint
 from zerodp.convert.full_state import FullState
 from zerodp.errors import UserError
 from zerodp.models import arch_of, build_model, param_shapes

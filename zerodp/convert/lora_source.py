@@ -197,7 +197,18 @@ def lora_of(source: CheckpointSource, merged: bool) -> LoraSource:
     spec = spec_of_record(rec)
     model = dict((source.meta.get("config") or {}).get("model") or {})
     adapters = {n: source.get(n).float() for n in source.param_names() if is_adapter(n)}
-    base = _Base(_model_config(model), rec["base"].get("init_from"), int(rec["base"].get("seed") or 0))
+    init_from, seed = rec["base"].get("init_from"), int(rec["base"].get("seed") or 0)
+    base = _Base(_model_config(model), init_from, seed)
+    recorded = rec["base"].get("sha256")
+    if recorded:  # the base must be the weights the adapters were trained on, not merely of their shapes
+        from zerodp.convert.lora_base import base_sha256, cache_dir
+
+        found = base_sha256(init_from, model, seed, cache_dir())
+        if found != recorded:
+            base.close()
+            raise CheckpointError(f"the base model {base.what} is not the one {source.path}'s adapters were trained "
+                                  f"on (sha256 {found[:12]} here, {recorded[:12]} recorded): the weights at that path "
+                                  f"changed; put the original base back there")
     return LoraSource(Path(source.path), source.meta, model, spec, adapters, base, merged, inner=source)
 
 

@@ -286,7 +286,7 @@ class FSDPStrategy:
 
     def _trained_only(self, model_sd: dict) -> dict:
         """A LoRA run's checkpoint holds the adapters alone: its frozen base comes from model.init_from
-        or the seed (zerodp.checkpoint.lora_base); a full model's holds every weight."""
+        or the seed (zerodp.convert.lora_base); a full model's holds every weight."""
         frozen = {n for n, p in self.model.named_parameters() if not p.requires_grad}
         return {k: v for k, v in model_sd.items() if k not in frozen} if frozen else model_sd
 

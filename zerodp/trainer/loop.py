@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from zerodp.checkpoint.checkpointer import Checkpointer
-from zerodp.checkpoint.lora_base import lora_record
 from zerodp.config import Config, dump_yaml
 from zerodp.config.sources import primary_source
+from zerodp.convert.lora_base import lora_record
 from zerodp.data.batches import TokenBatches, prefetch, prepared_meta
 from zerodp.data.chat import chat_record
 from zerodp.distributed import determinism

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zerodp.checkpoint import store as checkpoint
-from zerodp.checkpoint.lora_base import check_base
 from zerodp.checkpoint.manifest import checkpoint_order, is_step_name, step_dir_name
 from zerodp.config import Config
+from zerodp.convert.lora_base import check_base
 from zerodp.errors import UserError
 from zerodp.trainer.resume import Carried, carry_over, superseded_note
 

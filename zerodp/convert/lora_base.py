@@ -24,14 +24,12 @@ from pathlib import Path
 from zerodp.errors import UserError
 
 CACHE_FILE = "lora-base-sha256.json"
-# model settings that do not change the base weights (zerodp.checkpoint.store.FREE_MODEL_KEYS and the adapters)
-_NOT_WEIGHTS = ("dropout", "activation_checkpointing", "loss_chunks", "init_from", "hf_config", "lora",
-                "document_attention")
 
 
-def cache_dir(cfg) -> Path:
+def cache_dir(cfg=None) -> Path:
     """Where the per-file digests are kept: data.cache_dir, else $ZERODP_CACHE, else ~/.cache/zerodp."""
-    return Path(cfg.data.cache_dir or os.environ.get("ZERODP_CACHE", Path.home() / ".cache" / "zerodp"))
+    given = cfg.data.cache_dir if cfg is not None else None
+    return Path(given or os.environ.get("ZERODP_CACHE", Path.home() / ".cache" / "zerodp"))
 
 
 def file_sha256(path: Path, cache: Path | None) -> str:
@@ -81,24 +79,32 @@ def _source_sha256(init_from: str, cache: str | None, stamp: tuple) -> str:
 
 
 def seeded_sha256(model: dict, seed: int) -> str:
-    """The identity of the seeded initial weights of the model section `model` (a Config.to_dict()'s)."""
-    from zerodp.checkpoint.store import _effective  # null and the family's default are one model
+    """The identity of the seeded initial weights of the model section `model` (a Config.to_dict()'s): the
+    seed and every base parameter's name and shape, which is all those values depend on
+    (DecoderLM.initial_values), so settings that change no weight (dropout, rope, norm epsilon) keep it."""
+    from zerodp.config import ModelConfig
+    from zerodp.models.arch import arch_of
 
-    shaping = {k: v for k, v in _effective(model).items() if k not in _NOT_WEIGHTS}
-    return hashlib.sha256(f"seed:{seed}\n{json.dumps(shaping, sort_keys=True)}".encode()).hexdigest()
+    arch = arch_of(ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}))
+    shapes = {name: list(shape) for name, shape in arch.param_shapes().items()}
+    return hashlib.sha256(f"seed:{seed}\n{json.dumps(shapes, sort_keys=True)}".encode()).hexdigest()
+
+
+def base_sha256(init_from: str | None, model: dict, seed: int, cache: Path | None) -> str:
+    """The sha256 of a base model: over `init_from`'s files, or of the seeded weights of `model` (a
+    Config.to_dict()'s model section) for `seed` without one."""
+    if not init_from:
+        return seeded_sha256(model, seed)
+    p = Path(init_from)
+    stamp = (p.stat().st_mtime_ns,) if p.exists() else ()
+    return _source_sha256(str(p.resolve()), str(cache) if cache is not None else None, stamp)
 
 
 def base_identity(cfg) -> dict:
     """{"init_from", "seed", "sha256"} of the base weights a run of `cfg` starts from (computed once per
     process and init_from; the files' digests cached on disk)."""
-    init_from = cfg.model.init_from
-    if init_from:
-        p = Path(init_from)
-        stamp = (p.stat().st_mtime_ns,) if p.exists() else ()
-        sha = _source_sha256(str(p.resolve()), str(cache_dir(cfg)), stamp)
-    else:
-        sha = seeded_sha256(cfg.to_dict()["model"], cfg.train.seed)
-    return {"init_from": init_from, "seed": cfg.train.seed, "sha256": sha}
+    sha = base_sha256(cfg.model.init_from, cfg.to_dict()["model"], cfg.train.seed, cache_dir(cfg))
+    return {"init_from": cfg.model.init_from, "seed": cfg.train.seed, "sha256": sha}
 
 
 def lora_record(cfg) -> dict | None:

@@ -30,6 +30,7 @@ from zerodp.strategies import deepspeed_ops, zero_snapshot
 from zerodp.strategies.base import RunContext
 from zerodp.strategies.common import (
     FullState,
+    loaded_params,
     local_grad_norms,
     optimizer_state_tensors,
     set_lr,
@@ -340,12 +341,9 @@ class ZeroStrategy:
         under a LoRA checkpoint (adapters only). Collective-free but must run on every rank in the same order."""
         if state.with_optimizer:
             self._create_optimizer_state(state)
-        rank, params = torch.distributed.get_rank(), dict(self.module.named_parameters())
-        lora = not all(p.requires_grad for p in params.values())  # frozen beside trained: a LoRA model
+        rank = torch.distributed.get_rank()
         with torch.no_grad():
-            for name, p in params.items():
-                if lora and not _holds(state, name):
-                    continue
+            for name, p in loaded_params(self.module, state):  # a LoRA model: those the state holds
                 shape = p.ds_shape if self.stage == 3 else p.shape
                 start, stop = _partition_range(p, rank) if self.stage == 3 else (0, 0)
                 kinds = ("param", "exp_avg", "exp_avg_sq") if state.with_optimizer and _optimized(p) else ("param",)
@@ -456,11 +454,6 @@ def _optimized(p: torch.Tensor) -> bool:
     """Whether DeepSpeed's ZeRO optimizer holds `p` (an fp32 master and AdamW state): trainable and not
     empty (deepspeed.runtime.utils.is_optimized_parameter); a LoRA run's frozen base is not."""
     return p.requires_grad and getattr(p, "ds_numel", p.numel()) > 0
-
-
-def _holds(state: FullState, name: str) -> bool:
-    """Whether `state` holds the model's parameter `name` (itself or its tied source)."""
-    return name in state.names or state.aliases.get(name) in state.names
 
 
 def _partition_range(p: torch.Tensor, rank: int) -> tuple[int, int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_planner_validation import COMPARED, TOLERANCE
+from tests.distributed.test_planner_validation import COMPARED, TOLERANCE, measure_states
 from tests.support.harness import run_distributed
 from zerodp.config import load_config
 
@@ -47,33 +47,11 @@ def overrides(strategy: str, precision: str) -> list[str]:
 
 
 def measure(strategy_name: str, precision: str, rank: int = 0, world: int = 1) -> dict:
-    """test_planner_validation's measurement of one LoRA config: one full optimizer step (AdamW's state
-    exists only after it), then the next step's micro batches, calling state_bytes() after each backward;
-    the per-key peak of those calls."""
+    """test_planner_validation's measurement (measure_states) of one LoRA config."""
     import torch
 
-    from zerodp.models import build_model
-    from zerodp.strategies import RunContext, make_strategy
-
-    cfg = load_config(None, overrides(strategy_name, precision))
-    accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
-    torch.manual_seed(0)
-    strategy = make_strategy(strategy_name)
-    strategy.setup(build_model(cfg.model, device="meta"),
-                   RunContext(cfg, rank, world, rank, torch.device("cpu"), accum))
-    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.block_size))
-    peak: dict[str, int] = {}
-    for step in range(2):
-        for i in range(accum):
-            with strategy.micro_step(is_last=i == accum - 1):
-                with strategy.autocast():
-                    loss = strategy.model(x, x)
-                strategy.backward(loss)
-            if step == 1:
-                for key, value in strategy.state_bytes().items():
-                    peak[key] = max(peak.get(key, 0), value)
-        strategy.step(1e-3)
-    return peak
+    return measure_states(load_config(None, overrides(strategy_name, precision)), rank, world, rank,
+                          torch.device("cpu"))
 
 
 def lora_measure_worker(runs: list[list[str]]) -> list[dict]:

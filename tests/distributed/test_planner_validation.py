@@ -45,38 +45,42 @@ def overrides(strategy: str, precision: str, defer: bool = False, persistence: b
                     f"strategy.fsdp_defer_grad_reduce={str(defer).lower()}"]
 
 
-def measure_worker(runs: list[list[str]]) -> list[dict]:
-    """On every rank, per (strategy, precision): one full optimizer step (AdamW's state exists only
-    after it), then the next step's micro batches, calling state_bytes() after each backward. Returns
-    the per-key peak over those calls: ZeRO-1 holds its full gradients and FSDP its unsharded ones
-    between micro batches, the sharded ones after the last."""
-    from zerodp.distributed.process_group import init_distributed
+def measure_states(cfg, rank: int, world: int, local_rank: int, device) -> dict[str, int]:
+    """One full optimizer step of `cfg`'s strategy (AdamW's state exists only after it), then the next
+    step's micro batches, calling state_bytes() after each backward. Returns the per-key peak over those
+    calls: ZeRO-1 holds its full gradients and FSDP its unsharded ones between micro batches, the sharded
+    ones after the last."""
+
     from zerodp.models import build_model
     from zerodp.strategies import RunContext, make_strategy
 
+    accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * world)
+    torch.manual_seed(0)
+    strategy = make_strategy(cfg.strategy.name)
+    strategy.setup(build_model(cfg.model, device="meta"), RunContext(cfg, rank, world, local_rank, device, accum))
+    x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.block_size))
+    peak: dict[str, int] = {}
+    for step in range(2):
+        for i in range(accum):
+            with strategy.micro_step(is_last=i == accum - 1):
+                with strategy.autocast():
+                    loss = strategy.model(x, x)
+                strategy.backward(loss)
+            if step == 1:
+                for key, value in strategy.state_bytes().items():
+                    peak[key] = max(peak.get(key, 0), value)
+        strategy.step(1e-3)
+    return peak
+
+
+def measure_worker(runs: list[list[str]]) -> list[dict]:
+    """On every rank, per (strategy, precision, ...): measure_states of its config."""
+    from zerodp.distributed.process_group import init_distributed
+
     env = init_distributed("cpu")
-    out = []
-    for strategy_name, precision, defer, *persistence in runs:
-        cfg = load_config(None, overrides(strategy_name, precision, defer, *persistence))
-        accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * env.world_size)
-        torch.manual_seed(0)
-        strategy = make_strategy(strategy_name)
-        strategy.setup(build_model(cfg.model, device="meta"),
-                       RunContext(cfg, env.rank, env.world_size, env.local_rank, env.device, accum))
-        x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.block_size))
-        peak: dict[str, int] = {}
-        for step in range(2):
-            for i in range(accum):
-                with strategy.micro_step(is_last=i == accum - 1):
-                    with strategy.autocast():
-                        loss = strategy.model(x, x)
-                    strategy.backward(loss)
-                if step == 1:
-                    for key, value in strategy.state_bytes().items():
-                        peak[key] = max(peak.get(key, 0), value)
-            strategy.step(1e-3)
-        out.append(peak)
-    return out
+    return [measure_states(load_config(None, overrides(name, precision, defer, *persistence)), env.rank,
+                           env.world_size, env.local_rank, env.device)
+            for name, precision, defer, *persistence in runs]
 
 
 def predictions(strategy: str, precision: str, defer: bool, persistence: bool = False):

@@ -209,8 +209,6 @@ def test_a_run_from_a_peft_export_starts_where_its_run_ended(exported, tmp_path)
     """model.lora.init_from = the PEFT export: the new run's adapters are the old run's last ones, so
     its validation after one step at a learning rate of 1e-12 is the old run's last val_loss."""
     family, tmp, metrics, _ = exported
-    if family != "llama":
-        pytest.skip("one family suffices: the start path is the family's own names")
     config, *settings = FAMILIES[family]
     again = train(tmp_path / "again", config, *settings, f"model.lora.init_from={tmp / 'peft'}", "train.max_steps=1",
                   "train.eval_every=1", "checkpoint.every=1", "optim.lr=1e-12", "optim.min_lr=1e-12")

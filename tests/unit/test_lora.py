@@ -198,3 +198,17 @@ def test_the_canonical_checkpoint_holds_the_adapters_and_loads_back(tmp_path):
         assert torch.equal(p, want), n
         if is_adapter(n):
             assert torch.equal(t.optimizer.state[p]["exp_avg"], s.optimizer.state[s.model.get_parameter(n)]["exp_avg"])
+
+
+def test_the_start_line_says_what_is_adapted_and_what_trains():
+    """Two blocks of width 32, q_proj and v_proj (32 x 32) at rank 4: 4 x (32 + 32) = 256 adapter parameters
+    per layer, 4 layers adapted."""
+    from zerodp.models.lora_spec import summary
+
+    cfg = load_config(None, ["model.arch=llama", "model.n_layer=2", "model.n_embd=32", "model.n_head=4",
+                             "model.lora.rank=4", "model.lora.targets=[q_proj, v_proj]"])
+    arch = arch_of(cfg.model)
+    line = summary(arch, lora_spec(cfg.model.lora), "bf16")
+    assert "LoRA rank 4, alpha 8 (scale 2) on 4 linear layers (q_proj, v_proj): 1,024 adapter parameters" in line
+    share = 100 * 1024 / (1024 + arch.param_count())
+    assert f"trained ({share:.2f}%), the base's {arch.param_count():,} frozen in bf16" in line, line

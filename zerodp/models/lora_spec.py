@@ -140,6 +140,16 @@ def adapter_count(arch, spec: LoraSpec) -> int:
     return sum(math.prod(s) for s in adapter_shapes(arch, spec).values())
 
 
+def summary(arch, spec: LoraSpec, precision: str) -> str:
+    """One line for a run's start: what is adapted, how much trains, and the frozen base."""
+    modules, trained, base = adapted_modules(arch, spec), adapter_count(arch, spec), arch.param_count()
+    share = 100 * trained / (trained + base)
+    start = f"; adapters from {spec.init_from}" if spec.init_from else ""
+    return (f"LoRA rank {spec.rank}, alpha {spec.alpha:g} (scale {spec.scaling:g}) on {len(modules)} linear layers "
+            f"({', '.join(spec.targets)}): {trained:,} adapter parameters trained ({share:.2f}%), the base's {base:,} "
+            f"frozen in {precision}{start}")
+
+
 def is_adapter(name: str) -> bool:
     """Whether parameter `name` is an adapter's (trained) rather than the base model's (frozen)."""
     return name.endswith(ADAPTER_SUFFIXES)

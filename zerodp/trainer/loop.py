@@ -24,7 +24,9 @@ from zerodp.data.chat import chat_record
 from zerodp.distributed import determinism
 from zerodp.distributed.process_group import DistEnv, init_distributed
 from zerodp.models import build_model, compile_blocks, param_count
+from zerodp.models.arch import arch_of
 from zerodp.models.hf import ORIGIN, origin_config
+from zerodp.models.lora_spec import lora_spec, summary as lora_summary
 from zerodp.optim.schedules import lr_at
 from zerodp.resilience.preemption import Preemption
 from zerodp.resilience.replicas import ReplicaCheck
@@ -216,6 +218,9 @@ def announce(cfg: Config, env: DistEnv, ready: Ready) -> PlanCheck:
     log(env, f"strategy {cfg.strategy.name} on {env.world_size} process(es), {param_count(cfg.model):,} parameters, "
              f"global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x "
              f"world {env.world_size} x accum {ready.grad_accum}")
+    spec = lora_spec(cfg.model.lora)
+    if spec is not None:
+        log(env, lora_summary(arch_of(cfg.model), spec, cfg.train.precision))
     log(env, ready.start.why)
     if not cfg.checkpoint.enabled:
         log(env, "checkpoint.enabled=false: this run writes no checkpoint, not even at the end; a preemption "

@@ -134,6 +134,12 @@ class PeerWatch:
     """
 
     ALIVE, STOPPED, DEAD = "zerodp/alive/{}", "zerodp/stopped/{}", "zerodp/dead"
+    LEFT = "zerodp/left/{}"
+    """Ranks whose watch is done with the store, per watch this process started (the same count on every
+    rank: a pooled test world runs many in one store): rank 0 leaves last (see `_leave_store`)."""
+    _started = 0
+    LEAVE_WAIT_S = 5.0
+    """At most this long rank 0 waits at the end for its peers' watches to finish with the store."""
     FIRST_STEP_S = 10.0
     """The step time assumed before a step has finished (the first one warms up)."""
     SIGNUMS = {getattr(signal, n) for n in Preemption.SIGNALS if hasattr(signal, n)}
@@ -169,6 +175,8 @@ class PeerWatch:
             os.set_blocking(fd, False)
         if threading.current_thread() is threading.main_thread():
             self._old_wakeup = signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
+        PeerWatch._started += 1
+        self._left_key = self.LEFT.format(PeerWatch._started)
         self._thread = threading.Thread(target=self._run, daemon=True, name="zerodp-peer-watch")
         self._thread.start()
 
@@ -199,6 +207,21 @@ class PeerWatch:
         for fd in self._pipe:
             os.close(fd)
         self._thread = None
+        self._leave_store()
+
+    def _leave_store(self) -> None:
+        """Count this rank out of the store; rank 0 then waits (LEAVE_WAIT_S at most: a dead peer never
+        counts itself) until every peer has. Under a plain env:// launch rank 0's process hosts the store,
+        and a peer whose last beat or STOPPED mark meets the closed socket has torch log a C++ stack trace
+        on its stderr: after a run that ends in one shared error line, that would be a second message."""
+        try:
+            left = self.store.add(self._left_key, 1)
+            deadline = time.monotonic() + self.LEAVE_WAIT_S
+            while self.rank == 0 and left < self.world and time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = self.store.add(self._left_key, 0)
+        except Exception:
+            pass
 
     def _run(self) -> None:
         mine, watched = self.ALIVE.format(self.rank), (self.rank + 1) % self.world

@@ -138,7 +138,7 @@ class PeerWatch:
     """Ranks whose watch is done with the store, per watch this process started (the same count on every
     rank: a pooled test world runs many in one store): rank 0 leaves last (see `_leave_store`)."""
     _started = 0
-    LEAVE_WAIT_S = 5.0
+    LEAVE_WAIT_S = 3.0
     """At most this long rank 0 waits at the end for its peers' watches to finish with the store."""
     FIRST_STEP_S = 10.0
     """The step time assumed before a step has finished (the first one warms up)."""
@@ -192,8 +192,9 @@ class PeerWatch:
         step_s = self.slowest_step_s if self.slowest_step_s is not None else self.FIRST_STEP_S
         return min(self.preemption.grace_s, max(5.0, 3 * step_s))
 
-    def stop(self) -> None:
-        """Stop watching and tell the peers this rank's silence from now on is no death."""
+    def stop(self, peers_alive: bool = True) -> None:
+        """Stop watching and tell the peers this rank's silence from now on is no death; rank 0 waits for
+        its peers to be done with the store unless a peer is known to have failed (`peers_alive` False)."""
         if self._thread is None:
             return
         self._stop.set()
@@ -207,9 +208,9 @@ class PeerWatch:
         for fd in self._pipe:
             os.close(fd)
         self._thread = None
-        self._leave_store()
+        self._leave_store(wait=peers_alive)
 
-    def _leave_store(self) -> None:
+    def _leave_store(self, wait: bool) -> None:
         """Count this rank out of the store; rank 0 then waits (LEAVE_WAIT_S at most: a dead peer never
         counts itself) until every peer has. Under a plain env:// launch rank 0's process hosts the store,
         and a peer whose last beat or STOPPED mark meets the closed socket has torch log a C++ stack trace
@@ -217,7 +218,7 @@ class PeerWatch:
         try:
             left = self.store.add(self._left_key, 1)
             deadline = time.monotonic() + self.LEAVE_WAIT_S
-            while self.rank == 0 and left < self.world and time.monotonic() < deadline:
+            while wait and self.rank == 0 and left < self.world and time.monotonic() < deadline:
                 time.sleep(0.05)
                 left = self.store.add(self._left_key, 0)
         except Exception:

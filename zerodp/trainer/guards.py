@@ -40,14 +40,16 @@ class Guards:
         self.watch = PeerWatch(self.heartbeat, self.preemption, self.timeout_s, say=say, checkpoints=checkpoints)
         self.step = start
         self.watch.start(start)
+        peers_alive = True
         try:
             yield self.watch
         except (dist.DistBackendError, RuntimeError) as e:
             if not _is_collective_failure(e):
                 raise
+            peers_alive = False  # rank 0 does not wait for a dead peer to leave the store
             raise PeerFailure(self.heartbeat.diagnose(e, self.step)) from None
         finally:
-            self.watch.stop()
+            self.watch.stop(peers_alive)
             self.preemption.restore()
 
     def find_stragglers(self, per_rank: list[list[float]]) -> list[dict]:

@@ -99,11 +99,9 @@ def seeded_sha256(model: dict, seed: int) -> str:
     """The identity of the seeded initial weights of the model section `model` (a Config.to_dict()'s): the
     seed and every base parameter's name and shape, which is all those values depend on
     (DecoderLM.initial_values), so settings that change no weight (dropout, rope, norm epsilon) keep it."""
-    from zerodp.config import ModelConfig
-    from zerodp.models.arch import arch_of
+    from zerodp.models.arch import arch_from_section
 
-    arch = arch_of(ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}))
-    shapes = {name: list(shape) for name, shape in arch.param_shapes().items()}
+    shapes = {name: list(shape) for name, shape in arch_from_section(model).param_shapes().items()}
     return hashlib.sha256(f"seed:{seed}\n{json.dumps(shapes, sort_keys=True)}".encode()).hexdigest()
 
 

@@ -79,7 +79,7 @@ class Checkpointer:
         if lora.get("init_from"):  # model.lora.init_from: the adapters from a PEFT folder, over the base
             from zerodp.convert.peft import load_adapters
 
-            load_adapters(self.strategy, init_from, self.meta["config"])
+            load_adapters(self.strategy, self.meta["config"])
         return {}
 
     def save(self, step: int, trainer_state: dict) -> Path:

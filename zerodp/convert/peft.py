@@ -246,57 +246,31 @@ def check_init_from(model_cfg) -> None:
 
 class AdapterStart:
     """What a strategy's `load_full` receives for a run whose adapters start from a PEFT folder: the
-    adapters' tensors (`holds` names them alone: a load_full that copies what the state holds leaves the
-    base as loaded); asked for another parameter, the base's (`base`, a FullState of model.init_from), or
-    without one the model's initial values for `seed`: the base the run has already loaded."""
+    adapters' tensors alone. Every load_full copies only what the state `holds`
+    (zerodp.strategies.common.loaded_params), so the base stays as the run loaded it."""
 
     with_optimizer = False
+    source = None
 
-    def __init__(self, adapters: dict, base, model, seed: int):
-        self.adapters, self.base, self.model, self.seed = adapters, base, model, seed
-        self.source = base.source if base is not None else None
+    def __init__(self, adapters: dict):
+        self.adapters = adapters
 
     def holds(self, name: str) -> bool:
         return name in self.adapters
 
     def get(self, name: str, kind: str, shape):
-        from zerodp.models.lora_spec import is_adapter
-
-        assert kind == "param", kind
-        if is_adapter(name):
-            t = self.adapters[name]
-        elif self.base is not None:
-            return self.base.get(name, kind, shape)
-        else:
-            t = self.model.initial_values(name, self.seed)
-        return t.reshape(tuple(shape))
+        assert kind == "param" and name in self.adapters, (name, kind)
+        return self.adapters[name].reshape(tuple(shape))
 
     def step(self, name: str) -> float:
         return 0.0
 
 
-def load_adapters(strategy, init_from: str | None, config: dict) -> None:
+def load_adapters(strategy, config: dict) -> None:
     """Collective: set the adapters of the run `config` describes (a Config's dict) to model.lora.init_from's
-    (read_adapters), over its base (model.init_from's weights, else the seed's), at the start (a fresh
-    AdamW). Every strategy's `load_full` reads them as it reads a checkpoint."""
-    import contextlib
-
-    from zerodp.config import ModelConfig
-    from zerodp.models.arch import arch_of
+    (read_adapters), over the base the run has loaded, at the start (a fresh AdamW)."""
+    from zerodp.models.arch import arch_from_section
     from zerodp.models.lora_spec import lora_spec
 
-    model = config["model"]
-    model_cfg = ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__})
-    spec = lora_spec(model_cfg.lora)
-    adapters = read_adapters(spec.init_from, arch_of(model_cfg), spec)
-    core = strategy.model
-    while not hasattr(core, "initial_values") and hasattr(core, "module"):  # a DDP wrapper, a DeepSpeed engine
-        core = core.module
-    with contextlib.ExitStack() as stack:
-        base = None
-        if init_from:
-            from zerodp.convert import open_checkpoint
-            from zerodp.convert.full_state import FullState
-
-            base = FullState(stack.enter_context(open_checkpoint(init_from)), with_optimizer=False)
-        strategy.load_full(AdapterStart(adapters, base, core, int(config["train"]["seed"])))
+    spec = lora_spec(config["model"]["lora"])
+    strategy.load_full(AdapterStart(read_adapters(spec.init_from, arch_from_section(config["model"]), spec)))

@@ -13,6 +13,7 @@ section.key=value overrides) or a run folder (its config.yaml).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from zerodp.errors import UserError
@@ -58,6 +59,50 @@ def _config(path: str, overrides: list[str]):
     return load_config(str(p), overrides)
 
 
+_KEPT_CONFIG = re.compile(r"config\.steps-(\d+)-(\d+)(?:-\d+)?\.yaml")
+
+
+def run_segment(run: Path, step: int) -> tuple[Path, int, int | None]:
+    """(the config that trained global batch `step` of a run folder, the first and the end global batch
+    that config trained, None while it trains on): a resume that changed the settings (another global
+    batch, say) kept the earlier ones as config.steps-A-B.yaml, the config of global batches A..B-1
+    (steps A+1..B, zerodp.trainer.resume), and config.yaml trains from the last such B on."""
+    kept = []
+    for f in run.glob("config.steps-*.yaml"):
+        if m := _KEPT_CONFIG.fullmatch(f.name):
+            kept.append((int(m.group(1)), int(m.group(2)), f.stat().st_mtime, f))
+    for first, end, _, f in sorted(kept, key=lambda k: k[2], reverse=True):  # a rewritten range: the newest
+        if first <= step < end:
+            return f, first, end
+    return run / "config.yaml", max((end for _, end, _, _ in kept), default=0), None
+
+
+def recorded_origin(run: Path, first: int, end: int | None, global_batch: int) -> tuple[int, int]:
+    """(step, position): where a run folder's global batch `step` started in the sample sequence, for the
+    config that trained global batches first..end-1 at `global_batch`: from a checkpoint that config saved
+    (trainer.json's "samples", the samples consumed before its step), else the steps before `first` at each
+    kept config's global batch (no checkpoint of it left: keep_last removed them)."""
+    from zerodp.checkpoint.manifest import checkpoint_order, recorded_step
+
+    for folder in checkpoint_order(run / "checkpoints"):
+        saved = recorded_step(folder)
+        if saved is None or saved <= first or (end is not None and saved > end):
+            continue
+        try:
+            samples = json.loads((folder / "trainer.json").read_text()).get("samples")
+        except (OSError, ValueError):
+            continue
+        if isinstance(samples, int):
+            return first, samples - (saved - first) * global_batch
+    position = 0
+    for f in run.glob("config.steps-*.yaml"):
+        if (m := _KEPT_CONFIG.fullmatch(f.name)) and int(m.group(2)) <= first:
+            from zerodp.config import load_config
+
+            position += (int(m.group(2)) - int(m.group(1))) * load_config(str(f)).train.global_batch_size
+    return first, position
+
+
 def run_world(path: str) -> int | None:
     """The world size a run folder's newest checkpoint records (`checkpoints/latest`, else the newest
     step folder), or None (a config file, a run without a checkpoint)."""
@@ -82,17 +127,21 @@ def _batches(cfg, split: str = "train"):
     return TokenBatches(load_tokens(cfg), cfg, split, document_masking=False)
 
 
-def rows_of(cfg, step: int, world: int, micro: int, decode: bool = False) -> list[dict]:
+def rows_of(cfg, step: int, world: int, micro: int, decode: bool = False,
+            origin: tuple[int, int] | None = None) -> list[dict]:
     """Step `step`'s global batch, a dict per row: row, rank, micro, source, sample, epoch, tokens
     [start, end) in the source's split file (the real tokens of the row: with data.packing=false a
     conversation's first block_size + 1 at most, the rest of the row padding), documents [first, last]
     (None without an index), targets (the row's target tokens, what its loss is taken over), padding, and
-    with `decode` the sample's text."""
+    with `decode` the sample's text. `origin` (step, position): where a resumed run's batches continued
+    (zerodp.data.batches.TokenBatches.continue_from); None: global batch k at position k x the batch."""
     import numpy as np
 
     from zerodp.data.samples import documents_of
 
     data, G, T = _batches(cfg), cfg.train.global_batch_size, cfg.model.block_size
+    if origin is not None:
+        data.continue_from(*origin)
     where, per_rank = data.locate(step, G), G // world
     lengths = data._lengths(where.source, where.start)  # T + 1, or an unpacked row's real tokens
     targets = data.target_counts(data.bases[where.source] + where.start)
@@ -116,7 +165,15 @@ def run_batch(args) -> int:
     if args.step < 0 or (args.world is not None and args.world < 1) or (args.micro is not None and args.micro < 1):
         raise UserError(f"--step {args.step} --world {args.world} --micro {args.micro}: give a step >= 0 and a world "
                         f"and micro batch >= 1")
-    cfg = _config(args.config, args.overrides)
+    origin, run = None, Path(args.config)
+    if run.is_dir() and (run / "config.yaml").is_file():  # a run folder: the settings that trained that step
+        from zerodp.config import load_config
+
+        path, first, end = run_segment(run, args.step)
+        cfg = load_config(str(path), args.overrides)
+        origin = recorded_origin(run, first, end, load_config(str(path)).train.global_batch_size)
+    else:
+        cfg = _config(args.config, args.overrides)
     if args.micro is not None:
         cfg.train.micro_batch_size = args.micro
     if cfg.train.micro_batch_size == "auto":
@@ -124,7 +181,7 @@ def run_batch(args) -> int:
     world = args.world or run_world(args.config) or 1  # a run folder's own world size unless --world says
     accum = cfg.check_batch_split(world)
     micro = cfg.train.micro_batch_size
-    rows = rows_of(cfg, args.step, world, micro, args.decode)
+    rows = rows_of(cfg, args.step, world, micro, args.decode, origin)
     head = {"step": args.step, "global_batch": cfg.train.global_batch_size, "world": world, "micro": micro,
             "accumulation": accum, "block_size": cfg.model.block_size, "packing": cfg.data.packing,
             "targets": sum(r["targets"] for r in rows)}

@@ -82,7 +82,7 @@ def preflight(cfg: Config, fresh: bool, checks: Alone | Together, on_plan=None, 
                          share=True)
     tokens, train_data, val_data, prepared_line = checks.every(lambda: inputs(cfg))
     notes = checks.every(lambda: start_notes(cfg, train_data))
-    if checks.writes:
+    if checks.writes and start.step < cfg.train.max_steps:  # a run with nothing to train writes nothing
         checks.every(lambda: check_out_dir(Path(cfg.train.out_dir), write=True))
     return Ready(cfg, plan, grad_accum, start, tokens, train_data, val_data, prepared_line, searched, notes)
 

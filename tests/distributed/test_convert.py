@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -272,3 +273,43 @@ def test_converted_checkpoint_resumes_in_zerodp(trained, tmp_path):
         "overrides": TINY + ["strategy.name=single", "train.max_steps=4", f"train.out_dir={tmp_path / 'run'}"],
         "fresh": False}]})[0][0]
     assert split["losses"] + resumed["losses"] == straight["losses"]  # bit-identical continuation
+
+
+def test_a_small_conversion_says_its_size_in_a_unit_that_shows_it(tmp_path, capsys):
+    """40,000 bytes of tensors are "39.1 KiB", not "0 MB" (and a bare count of bytes below 1 KiB is bytes)."""
+    from zerodp.convert.cli import binary_size
+
+    save_file({"w": torch.zeros(100, 100)}, str(tmp_path / "in.safetensors"))
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "in.safetensors"), str(tmp_path / "o"), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    written = sum(f.stat().st_size for f in (tmp_path / "o").rglob("*") if f.is_file())
+    assert f"(1 tensor) to 1 file in {tmp_path / 'o'} ({binary_size(written)} in " in out, out
+    assert binary_size(written).endswith(" KiB") and re.search(r" in [0-9.]+s, [0-9.,]+ (B|KiB|MiB)/s\)$", out.strip())
+    assert [binary_size(n) for n in (812, 40_080, 5 * 2**20 + 1, 1.5 * 2**30, 2000 * 2**40)] == \
+        ["812 B", "39.1 KiB", "5 MiB", "1.5 GiB", "2,000 TiB"]
+
+
+def test_a_prepare_folder_is_training_data_not_a_damaged_checkpoint(tmp_path, capsys):
+    """`zerodp convert`/`inspect` of a `zerodp prepare` output (the folder or a file in it) say what it is and
+    what to do in one line, exit 2, where they called it an incomplete checkpoint."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "<|endoftext|>": 1, **{f"w{i}": i + 2 for i in range(50)}},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("w1 w2 w3 w4")
+    data = tmp_path / "data"
+    assert main(["prepare", str(tmp_path / "a.txt"), "--tokenizer", str(tmp_path / "tokenizer.json"), "--out",
+                 str(data), "--val-fraction", "0", "--no-progress"]) == 0
+    capsys.readouterr()
+    said = "is training data, not a checkpoint: "
+    for argv in (["inspect", str(data)], ["convert", str(data), str(tmp_path / "o")],
+                 ["convert", str(data / "meta.json"), str(tmp_path / "o")], ["inspect", str(data / "train.bin")]):
+        one_line_error(capsys, argv, f"zerodp: error: {argv[1]} {said}")
+    one_line_error(capsys, ["inspect", str(data)], f"a `zerodp prepare` folder (5 tokens in train.bin and val.bin); "
+                                                   f"train on it with data.source={data}, and give zerodp inspect a "
+                                                   f"run's checkpoint")
+    assert not (tmp_path / "o").exists()

@@ -351,7 +351,8 @@ def test_a_small_set_keeps_one_conversation_for_validation_and_says_so(tmp_path,
     assert run(src, "--chat", "--tokenizer", folder, "--out", tmp_path / "long", "--max-len", 2049) == 0
     n = splits["val"]["tokens"]
     assert (f"zerodp: note: val.bin holds {n} tokens, fewer than --max-len + 1 = 2,050: a run at model.block_size "
-            f"2,048 cannot validate on it") in capsys.readouterr().err
+            f"2,048 cannot validate on it (a sample is block_size + 1 tokens, and validation needs a split of "
+            f"block_size + 2 at least)") in capsys.readouterr().err
 
 
 def test_chat_rows_prepared_without_chat_are_told_to_use_chat(tmp_path, tok_file, capsys):

@@ -124,6 +124,6 @@ def _chat_summary(meta: dict, out: str) -> int:
     if chat["max_len"] and 0 < va["tokens"] < chat["max_len"] + 1:  # --max-len is block_size + 1 in the recipe
         print(f"zerodp: note: val.bin holds {plural(va['tokens'], 'token')}, fewer than --max-len + 1 = "
               f"{chat['max_len'] + 1:,}: a run at model.block_size {chat['max_len'] - 1:,} cannot validate on it (a "
-              f"sample is block_size + 2 tokens); raise --val-fraction, or train with train.eval_every=0",
-              file=sys.stderr)
+              f"sample is block_size + 1 tokens, and validation needs a split of block_size + 2 at least); raise "
+              f"--val-fraction, or train with train.eval_every=0", file=sys.stderr)
     return 0

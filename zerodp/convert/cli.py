@@ -59,6 +59,7 @@ def add_inspect_parser(sub) -> None:
 def run_convert(args) -> int:
     from zerodp.convert.destination import check_destination, parse_size  # no torch: see below
 
+    refuse_prepared_data(args.src, "convert")
     if args.to not in TARGETS:
         raise UserError(f"--to {args.to} is not a target; use --to safetensors or --to zerodp, --to hf for a "
                         f"Hugging Face model folder, or --to peft for a LoRA run's adapters")
@@ -92,6 +93,24 @@ def run_convert(args) -> int:
     finally:
         if hashing is not None:
             hashing.cancel()  # a no-op once the source has confirmed it; else (an error) stop the threads
+
+
+def refuse_prepared_data(path: str, command: str) -> None:
+    """A `zerodp prepare` folder, or a file of one, is training data, not a checkpoint (its meta.json would
+    otherwise read as an incomplete checkpoint's): say what it is and what to do, in one line."""
+    from zerodp.config.sources import prepared_meta
+
+    p = Path(path)
+    folder = p.parent if p.is_file() else p
+    meta = prepared_meta(str(folder))
+    if meta is None:
+        return
+    tokens = sum(int(split.get("tokens") or 0) for split in (meta.get("splits") or {}).values()
+                 if isinstance(split, dict))
+    what = f"a file of the `zerodp prepare` folder {folder}" if p.is_file() else "a `zerodp prepare` folder"
+    raise UserError(f"{path} is training data, not a checkpoint: {what} ({tokens:,} tokens in train.bin and "
+                    f"val.bin); train on it with data.source={folder}, and give zerodp {command} a run's checkpoint "
+                    f"(its train.out_dir or a step_ folder)")
 
 
 def _begin_hashing(src: str):
@@ -143,8 +162,21 @@ def _convert(args, shard, window, hashing, t0) -> int:
 def _said(src, n: int, what: str, dst: str, t0: float) -> None:
     seconds = time.time() - t0
     written = sum(f.stat().st_size for f in Path(dst).rglob("*") if f.is_file())
-    print(f"converted {src.format} checkpoint {src.path} ({n} tensors) to {what} in {dst} "
-          f"({written / 1e6:,.0f} MB in {seconds:.1f}s, {written / 1e6 / max(seconds, 1e-9):,.0f} MB/s)")
+    print(f"converted {src.format} checkpoint {src.path} ({n} tensor{'' if n == 1 else 's'}) to {what} in {dst} "
+          f"({binary_size(written)} in {seconds:.1f}s, {binary_size(written / max(seconds, 1e-9))}/s)")
+
+
+def binary_size(n: float) -> str:
+    """Bytes in the largest of B, KiB, MiB, GiB, TiB that keeps the figure at 1 or more, to three
+    significant digits ('812 B', '41.5 KiB', '1.23 GiB'): a small conversion is not '0 MB'."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    k = 0
+    while k < len(units) - 1 and n >= 1024 ** (k + 1):
+        k += 1
+    value = n / 1024 ** k
+    if k == 0:
+        return f"{value:.0f} B"
+    return f"{value:.3g} {units[k]}" if value < 1000 else f"{value:,.0f} {units[k]}"
 
 
 def _refuse_lora(src, args) -> None:
@@ -222,6 +254,7 @@ def run_inspect(args) -> int:
     from zerodp.convert import detect_format
     from zerodp.convert.inspect import inspect_checkpoint
 
+    refuse_prepared_data(args.path, "inspect")
     detect_format(args.path)  # not a checkpoint at all: bad input (exit 2), not a damaged one (exit 1)
     lines, ok = inspect_checkpoint(args.path)
     print("\n".join(lines))

@@ -54,8 +54,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "model.lora.rank=R; a config with model.lora is planned with its adapters anyway)")
     a.add_argument("--lora-targets", metavar="NAMES", help="with --lora-rank: the adapted linear layers by their "
                    "Hugging Face names, comma-separated, e.g. q_proj,v_proj (default all-linear)")
-    a.add_argument("--lora-alpha", type=float, metavar="A", help="with --lora-rank: the scale's numerator "
-                   "(default 2 x rank; memory does not depend on it)")
+    a.add_argument("--lora-alpha", type=float, metavar="A", help="with --lora-rank: the adapters' alpha, their "
+                   "output scaled by alpha / rank (default 2 x rank); the memory does not depend on it")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
     h.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
@@ -140,7 +140,8 @@ def _lora_settings(args) -> dict:
         given = [f for f, v in (("--lora-targets", args.lora_targets), ("--lora-alpha", args.lora_alpha))
                  if v is not None]
         if given:
-            raise UserError(f"{' and '.join(given)} describe adapters; add --lora-rank R (e.g. --lora-rank 16)")
+            raise UserError(f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to adapters, and "
+                            f"without --lora-rank there are none; add --lora-rank R (e.g. --lora-rank 16)")
         return {}
     _positive("--lora-rank", args.lora_rank, "the adapters' rank", 16)
     if args.lora_alpha is not None and args.lora_alpha <= 0:

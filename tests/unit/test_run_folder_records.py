@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,11 @@ def test_data_batch_of_a_run_names_what_each_step_trained_across_a_global_batch_
     assert (out / "config.steps-0-2.yaml").is_file()  # the settings that trained steps 1-2
     for step in (0, 1, 2):  # global batch k trains step k + 1
         assert batch(out, step, capsys) == trained[step], step
+    # without a checkpoint of the resumed steps (keep_last removed them, say): the kept configs' batches
+    copy = out.parent / "without-step-3"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_00000003")
+    assert batch(copy, 2, capsys) == trained[2]
 
 
 def test_a_rerun_with_nothing_to_train_touches_nothing(run, capsys):

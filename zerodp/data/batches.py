@@ -269,8 +269,9 @@ class TokenBatches:
         out = MicroBatches(self.rows(mine[i : i + micro], pin) for i in range(0, per_rank, micro))
         if self.dropout_seed is not None:
             first = rank * per_rank  # this rank's first row of the global batch
-            out.dropout_keys = [self.dropout_keys(step, range(first + i, first + min(i + micro, per_rank)))
-                                for i in range(0, per_rank, micro)]
+            keys = [self.dropout_keys(step, range(first + i, first + min(i + micro, per_rank)))
+                    for i in range(0, per_rank, micro)]
+            out.dropout_keys = [k.pin_memory() for k in keys] if pin else keys
         if not self.packing or any(s.mask is not None for s in self.streams):
             counts = self.target_counts(offsets)  # every row of the global batch: no collective needed
             total, parts = int(counts.sum()), global_batch // micro  # parts: world x accumulation

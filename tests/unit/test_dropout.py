@@ -11,7 +11,7 @@ from tests.conftest import TINY
 from tests.support.reference import LLAMA
 from zerodp.config import load_config
 from zerodp.data.batches import TokenBatches, load_tokens
-from zerodp.models import build_model
+from zerodp.models import build_model, dropout
 from zerodp.models.dropout import keep_mask, keyed_dropout, mix32, row_keys, site_id
 
 
@@ -27,6 +27,13 @@ def test_a_rows_mask_does_not_depend_on_the_rows_beside_it():
     assert not torch.equal(keep_mask(keys, torch.Size([4, 16, 24]), 0.3, 8), batch)
     assert not torch.equal(row_keys(0, 4, range(4)), keys) and not torch.equal(row_keys(1, 3, range(4)), keys)
     assert site_id("model.layers.0.mlp.drop") != site_id("model.layers.1.mlp.drop")
+
+
+def test_a_mask_hashed_in_slices_equals_the_whole(monkeypatch):
+    keys = row_keys(3, 1, range(2))
+    whole = keep_mask(keys, torch.Size([2, 5, 8, 8]), 0.2, 11)
+    monkeypatch.setattr(dropout, "CHUNK", 2 * 2 * 8 * 8)  # two of the five slices at a time
+    assert torch.equal(keep_mask(keys, torch.Size([2, 5, 8, 8]), 0.2, 11), whole)
 
 
 def test_the_drop_rate_is_p_and_kept_values_are_scaled():

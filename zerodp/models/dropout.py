@@ -72,14 +72,35 @@ def site_id(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
 
 
+CHUNK = 1 << 24
+"""Elements whose int64 hashes are computed at once: a larger mask (attention probabilities, (B, heads,
+T, T)) is hashed a slice of its second dimension at a time, so the transient int64 tensors stay near
+CHUNK x 8 bytes each rather than 8 bytes per element of the whole mask."""
+
+
 def keep_mask(keys: torch.Tensor, shape: torch.Size, p: float, site: int) -> torch.Tensor:
     """The keep bits (bool, `shape`, on keys' device) for rows keyed `keys` (shape[0],): element
     (b, i, j, ...) kept unless hash(keys[b], site, i, j, ...) falls below p * 2**32."""
     assert keys.shape == shape[:1], f"dropout keys {tuple(keys.shape)} for a tensor {tuple(shape)}"
+    threshold = min(int(p * 2**32), MASK32)
     h = mix32(mix32(keys) ^ site)  # (B,)
-    for n in shape[1:]:
-        h = mix32(h[..., None] ^ torch.arange(n, device=keys.device))  # (B, ..., n)
-    return h >= min(int(p * 2**32), MASK32)
+    if len(shape) == 1:
+        return h >= threshold
+    h = mix32(h[:, None] ^ torch.arange(shape[1], device=keys.device))  # (B, n1)
+    rest = math.prod(shape[2:])
+    step = max(1, CHUNK // max(1, shape[0] * rest))  # slices of the second dimension hashed at once
+    if step >= shape[1]:
+        return _hash_rest(h, shape[2:]) >= threshold
+    out = torch.empty(shape, dtype=torch.bool, device=keys.device)
+    for a in range(0, shape[1], step):
+        out[:, a : a + step] = _hash_rest(h[:, a : a + step], shape[2:]) >= threshold
+    return out
+
+
+def _hash_rest(h: torch.Tensor, dims: torch.Size) -> torch.Tensor:
+    for n in dims:
+        h = mix32(h[..., None] ^ torch.arange(n, device=h.device))  # (..., n)
+    return h
 
 
 def keyed_dropout(x: torch.Tensor, p: float, keys: torch.Tensor, site: int) -> torch.Tensor:

@@ -2,8 +2,11 @@
 model families.
 
 ddp, zero1, zero2, zero3 and fsdp at world sizes 2 and 3, with gradient accumulation 1 and 2, in fp32,
-each against a plain single-process torch.optim.AdamW on the same global batches: per-step losses and
-final parameters agree to 1e-5 after 8 steps. Each row runs twice: the tiny GPT-2 (tied head) and a
+each against a plain single-process torch.optim.AdamW on the same global batches, with model.dropout on
+(attention probabilities, residual and MLP outputs; zerodp.models.dropout keys each mask by the global
+row, so a row drops the same units on any rank, in any micro batch, under ZeRO-3's and activation
+checkpointing's own use of torch's generator): per-step losses and final parameters agree to 1e-5 after 8
+steps. Each row runs twice: the tiny GPT-2 (tied head) and a
 small llama (tests.support.reference.LLAMA: RoPE, RMSNorm, SwiGLU, 4 query heads sharing 2 key/value heads,
 untied head). At world 2 each also runs with activation checkpointing (gpt2 full, llama selective) and
 the chunked loss (model.loss_chunks=3: under ZeRO-3 and FSDP the head is gathered by the hooks around its
@@ -58,6 +61,7 @@ NOISE_TOLERANCE = 1e-4
 WARMUP = {"zero3": 2}  # steps before a strategy's traffic is the same every step
 ACTIVATION_CHECKPOINTING = {"gpt2": "full", "llama": "selective"}  # the world-2 rows' modes...
 LOSS_CHUNKS = 3  # ...and their head and loss in 3 chunks (zerodp.models.loss), against the whole logits
+DROPOUT = 0.1  # attention, residual and MLP dropout in every run, keyed by the global row (zerodp.models.dropout)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -71,7 +75,7 @@ def test_every_strategy_matches_single_process_adamw(tiny, tmp_path, world):
         for accum in (1, 2):
             over = tiny + arch + [f"train.global_batch_size={MICRO * world * accum}",
                                   f"train.micro_batch_size={MICRO}", f"train.max_steps={STEPS}",
-                                  "optim.lr=1e-3", "optim.min_lr=1e-4"]
+                                  "optim.lr=1e-3", "optim.min_lr=1e-4", f"model.dropout={DROPOUT}"]
             if model == "llama" and accum == 2:
                 over += [f"data.source={prepared}", "data.document_masking=true"]
                 cfg = load_config(None, over)
@@ -139,8 +143,9 @@ def _per_micro_batch_mean(cfg, world: int) -> float:
     model = build_model(cfg.model, cfg.train.seed)
     data = TokenBatches(load_tokens(cfg), cfg, "train")
     with torch.no_grad():
-        losses = [model(*batch).item() for rank in range(world)
-                  for batch in data.rank_micro_batches(0, cfg.train.global_batch_size, MICRO, rank, world)]
+        losses = [model(*batch, dropout_keys=keys).item() for rank in range(world)
+                  for micro in [data.rank_micro_batches(0, cfg.train.global_batch_size, MICRO, rank, world)]
+                  for batch, keys in zip(micro, micro.dropout_keys)]
     return sum(losses) / len(losses)
 
 

@@ -2,7 +2,8 @@
 global batches, for both families: the tiny GPT-2 from a base model's weights (model.init_from, a
 safetensors file of other values than the seed's), packed samples with a loss mask; the small llama from
 the seeded base, one conversation per sample (data.packing=false) with a loss mask. Global batch 12 of
-micro batches of 2: 6, 3 and 2 accumulation steps at world 1, 2 and 3. Per-step losses and the final
+micro batches of 2: 6, 3 and 2 accumulation steps at world 1, 2 and 3, with the adapters' dropout on
+(model.lora.dropout, keyed by the global row: zerodp.models.dropout). Per-step losses and the final
 adapters agree within test_equivalence.py's 1e-5; the frozen base ends bit-identical to the weights it
 started from. A LoRA checkpoint holds the adapters and their AdamW state only (by name, a small share of
 the model's bytes) and meta.json names the base (zerodp.convert.lora_base); ddp at world 2 resumed by
@@ -38,7 +39,8 @@ TOLERANCE = 1e-5  # tests/distributed/test_equivalence.py's
 RUNS = {2: ["ddp", "fsdp"], 3: ["ddp", "fsdp"]}
 BASE = [o for o in TINY if not o.startswith(("train.global_batch_size", "train.micro_batch_size"))] + [
     f"train.global_batch_size={GLOBAL}", f"train.micro_batch_size={MICRO}", f"train.max_steps={STEPS}",
-    "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.decay_steps=4", "model.lora.rank=4", "model.lora.alpha=8"]
+    "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.decay_steps=4", "model.lora.rank=4", "model.lora.alpha=8",
+    "model.lora.dropout=0.1"]  # keyed by the global row: the same masks at every world size and strategy
 FAMILIES = {"gpt2": ["model.lora.targets=[c_attn]"],
             "llama": LLAMA + ["model.lora.targets=[q_proj, v_proj, down_proj]", "data.packing=false"]}
 
@@ -132,7 +134,7 @@ def test_a_lora_checkpoint_holds_the_adapters_and_names_its_base(lora):
     for name in ("ddp", "fsdp"):
         ckpt = root / f"gpt2-{name}-2" / "checkpoints" / f"step_{STEPS:08d}"
         meta = json.loads((ckpt / "meta.json").read_text())
-        assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["c_attn"], "init_from": None,
+        assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.1, "targets": ["c_attn"], "init_from": None,
                                 "base": {"init_from": str(root / "base-gpt2.safetensors"), "seed": 1337,
                                          "sha256": lora_base.base_identity(cfg)["sha256"]}}
         assert sorted(meta["params"]) == sorted(adapters)

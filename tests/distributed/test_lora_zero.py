@@ -3,7 +3,8 @@ the single-process AdamW reference trains, and keeps the base as it found it.
 
 On a prepared folder with a loss mask (documents whose share of targets runs from none to all) and a
 global batch of 12 (world 2: 3 accumulated micro batches of 2; world 3: 2), each run follows the
-reference (tests.support.reference: plain torch AdamW over the adapters, the whole global batch at once):
+reference (tests.support.reference: plain torch AdamW over the adapters, the whole global batch at once),
+the adapters' dropout on:
 per-step losses and final adapters within test_equivalence's 1e-5, the frozen base weights bit-identical to
 the seeded start. World 2 runs zero1 (gpt2, tied head), zero2 and zero3 (llama); world 3 zero2 (gpt2) and
 zero3 (llama), and resumes the world-2 zero3 checkpoint of step 2 under zero1 (another strategy, another
@@ -44,8 +45,10 @@ from zerodp.models.lora_spec import adapter_count, adapter_shapes, is_adapter, l
 
 TOLERANCE = 1e-5  # tests/distributed/test_equivalence.py's, for every ZeRO stage
 STEPS, MICRO, GLOBAL = 4, 2, 12
-GPT2 = ["model.lora.rank=4"]  # every linear layer of the blocks (all-linear)
-LLAMA_LORA = LLAMA + ["model.lora.rank=4", "model.lora.alpha=16", "model.lora.targets=[q_proj, v_proj, down_proj]"]
+# the adapters' dropout on: keyed by the global row, the same masks under every stage (zerodp.models.dropout)
+GPT2 = ["model.lora.rank=4", "model.lora.dropout=0.1"]  # every linear layer of the blocks (all-linear)
+LLAMA_LORA = LLAMA + ["model.lora.rank=4", "model.lora.alpha=16", "model.lora.targets=[q_proj, v_proj, down_proj]",
+                      "model.lora.dropout=0.1"]
 MODELS = {"gpt2": GPT2, "llama": LLAMA_LORA}
 RUNS = {2: [("gpt2", "zero1"), ("llama", "zero2"), ("llama", "zero3")], 3: [("gpt2", "zero2"), ("llama", "zero3")]}
 RESUMED = ("llama", "zero3", 2, "zero1", 3)  # (model, strategy, world) of steps 1-2 -> (strategy, world) of 3-4

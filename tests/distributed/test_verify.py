@@ -4,8 +4,11 @@ against zero1, zero2, zero3 and fsdp follows one trajectory (exit 0); another se
 not (exit 1), and the line names the first step that differs: step 1 for a seed (other weights, other
 batches), step 2 for an lr (the first loss is taken before the first update). World 2 against 1
 (`--nproc 2 --against nproc=1`: verify launches each run itself, under torchrun for 2) passes for
-both families: 4 process starts each, 10 to 30 s on 2 shared cores. The temporary runs are removed,
-but with --keep (llama against fsdp), which keeps both and says where."""
+both families: 4 process starts each, 10 to 30 s on 2 shared cores. Dropout on throughout: the gpt2
+runs with model.dropout=0.1, and the llama at world 2 against 1 is the shipped LoRA recipe,
+configs/sft-llama-lora.yaml (its adapters' dropout 0.05), at the tiny shapes: zerodp.models.dropout
+keys each mask by the global row, so neither the world size nor the strategy changes which units drop.
+The temporary runs are removed, but with --keep (llama against fsdp), which keeps both and says where."""
 
 from __future__ import annotations
 
@@ -17,6 +20,11 @@ from zerodp.cli.commands import main
 
 SMALL = [o for o in TINY if not o.startswith("train.global_batch_size")] + ["train.global_batch_size=4"]
 CONFIGS = {"gpt2": "configs/tiny.yaml", "llama": "configs/llama-tiny.yaml"}
+DROPOUT = {"gpt2": ["model.dropout=0.1"], "llama": []}  # keyed dropout: the same masks under every layout
+# the shipped LoRA recipe (adapter dropout 0.05, document masking) at the suite's tiny shapes, fp32, on the
+# built-in corpus: no Hugging Face folder, no prepared data
+SFT_LORA = ("configs/sft-llama-lora.yaml", ["model.hf_config=", "model.init_from=", "model.arch=llama",
+                                             "train.precision=fp32", "data.source=builtin"])
 STRATEGIES = ["zero1", "zero2", "zero3", "fsdp"]
 CHANGES = {**{f"{family} {name}": (family, f"strategy.name={name}") for family in CONFIGS for name in STRATEGIES},
            "gpt2 seed": ("gpt2", "train.seed=7"), "gpt2 lr": ("gpt2", "optim.lr=5e-3")}
@@ -26,7 +34,8 @@ KEEP = "llama fsdp"
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verify")
-    calls = [[CONFIGS[family], *SMALL, "strategy.name=ddp", f"train.out_dir={tmp / case.replace(' ', '-') / 'run'}",
+    calls = [[CONFIGS[family], *SMALL, *DROPOUT[family], "strategy.name=ddp",
+              f"train.out_dir={tmp / case.replace(' ', '-') / 'run'}",
               "--against", change, "--steps", "3", *(["--keep"] if case == KEEP else [])]
              for case, (family, change) in CHANGES.items()]
     results = run_distributed("tests.support.verify_workers:verify", 2, {"calls": calls})
@@ -62,9 +71,10 @@ def test_a_real_change_fails_naming_the_first_step(verified, case, first):
     assert "tensors differ, most: " in got["stdout"], got["stdout"]
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_world_2_against_1_passes(family, tmp_path, capsys):
-    code = main(["verify", CONFIGS[family], *SMALL, "strategy.name=ddp", f"train.out_dir={tmp_path / 'run'}",
+@pytest.mark.parametrize("case", ["gpt2 dropout", "llama sft-lora"])
+def test_world_2_against_1_passes(case, tmp_path, capsys):
+    config, extra = (CONFIGS["gpt2"], DROPOUT["gpt2"]) if case == "gpt2 dropout" else SFT_LORA
+    code = main(["verify", config, *SMALL, *extra, "strategy.name=ddp", f"train.out_dir={tmp_path / 'run'}",
                  "--nproc", "2", "--against", "nproc=1", "--steps", "3"])
     out = capsys.readouterr()
     assert code == 0, out.out + out.err

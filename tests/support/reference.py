@@ -28,7 +28,7 @@ LLAMA = ["model.arch=llama", "model.n_layer=2", "model.n_embd=32", "model.n_head
 
 def reference_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Train on the full global batch of every step in one forward/backward; return losses and weights."""
-    torch.manual_seed(cfg.train.seed)  # dropout
+    torch.manual_seed(cfg.train.seed)  # as the loop does
     model = build_model(cfg.model, cfg.train.seed)
     o = cfg.optim
     opt = torch.optim.AdamW(param_groups(model, cfg), lr=lr_at(cfg, 0), betas=(o.beta1, o.beta2), eps=o.eps)
@@ -36,7 +36,9 @@ def reference_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
     G = cfg.train.global_batch_size
     losses = []
     for step in range(cfg.train.max_steps):
-        loss = model(*data.rows(data.offsets(step, G)))  # (x, y), or (x, y, doc_ids) under document masking
+        # (x, y), or (x, y, doc_ids) under document masking; with dropout, the rows' keys (zerodp.models.dropout)
+        keys = {"dropout_keys": data.dropout_keys(step, range(G))} if data.dropout_seed is not None else {}
+        loss = model(*data.rows(data.offsets(step, G)), **keys)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
         for g in opt.param_groups:

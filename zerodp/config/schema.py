@@ -66,7 +66,8 @@ class ModelConfig:
     """A Hugging Face config.json (or the model folder holding one) that sets arch and every dimension;
     a model key given as well must agree with it."""
     dropout: float = 0.0
-    """Dropout probability. 0 keeps runs at different world sizes bit-comparable."""
+    """Dropout probability (attention, residual, MLP), keyed by (seed, step, global row, position, feature):
+    the same masks at every world size and strategy (zerodp.models.dropout)."""
     activation_checkpointing: typing.Union[bool, str] = "off"
     """off | selective | full (true: full, false: off): full recomputes each block's forward in the backward
     pass (it keeps only the block's input; one more forward of compute), selective keeps the matmul and

@@ -11,7 +11,10 @@ it stopped (`continue_from`; zerodp.trainer.resume), so no sample of the epoch i
 
 A micro batch is (x, y), or (x, y, doc_ids) when data.document_masking is on and every source has a
 document index (a `zerodp prepare` folder's train.idx/val.idx): doc_ids[r, t] numbers the documents
-within row r from 0 (zerodp.data.samples.doc_ids). The loop calls model(*micro_batch).
+within row r from 0 (zerodp.data.samples.doc_ids). The loop calls model(*micro_batch); when the model
+trains with dropout, with `dropout_keys=` the micro batch's keys (MicroBatches.dropout_keys): each row's
+key a function of (seed, step, its row in the global batch), so its dropout masks are the same whichever
+rank and micro batch hold it (zerodp.models.dropout).
 
 A source with a loss mask (`zerodp prepare --chat`'s train.mask/val.mask: 1 where a token is a target)
 gives y[r, t] = IGNORE_INDEX where the token it holds, token t + 1 of the sample, is not a target:
@@ -39,6 +42,7 @@ from zerodp.config import Config
 from zerodp.data.samples import Blend, SampleIndex, doc_ids
 from zerodp.data.streams import Mixture, Part, PreparedTokens, describe_prepared, load_tokens, plural, prepared_meta
 from zerodp.errors import UserError
+from zerodp.models.dropout import drops, row_keys
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index: y where no loss is taken
 
@@ -105,6 +109,8 @@ class TokenBatches:
 
     def __init__(self, tokens, cfg: Config, split: str, document_masking: bool | None = None):
         self.block, self.split = cfg.model.block_size, split
+        self.dropout_seed = cfg.train.seed if split == "train" and drops(cfg.model) else None
+        """train.seed when training batches carry their rows' dropout keys (the model drops), else None."""
         self.streams = _streams(tokens, cfg, split)
         split_id = 0 if split == "train" else 1
         self.packing = cfg.data.packing
@@ -255,11 +261,17 @@ class TokenBatches:
                            pin: bool = False) -> MicroBatches:
         """This rank's micro batches of global batch `step`: a list of (x, y) (with doc_ids: (x, y,
         doc_ids)), each (micro, T); where a source has a loss mask, with the `weights` that make the
-        step's loss the mean over the global batch's targets (`MicroBatches`)."""
+        step's loss the mean over the global batch's targets; where the model drops, with each micro
+        batch's rows' `dropout_keys` (`MicroBatches`)."""
         per_rank = global_batch // world
         offsets = self.offsets(step, global_batch)
         mine = offsets[rank * per_rank : (rank + 1) * per_rank]
         out = MicroBatches(self.rows(mine[i : i + micro], pin) for i in range(0, per_rank, micro))
+        if self.dropout_seed is not None:
+            first = rank * per_rank  # this rank's first row of the global batch
+            keys = [self.dropout_keys(step, range(first + i, first + min(i + micro, per_rank)))
+                    for i in range(0, per_rank, micro)]
+            out.dropout_keys = [k.pin_memory() for k in keys] if pin else keys
         if not self.packing or any(s.mask is not None for s in self.streams):
             counts = self.target_counts(offsets)  # every row of the global batch: no collective needed
             total, parts = int(counts.sum()), global_batch // micro  # parts: world x accumulation
@@ -270,6 +282,12 @@ class TokenBatches:
             out.targets = total
             out.spread = float(np.mean(np.square(weights)))
         return out
+
+    def dropout_keys(self, step: int, rows) -> torch.Tensor:
+        """The dropout keys (len(rows),) int64 of rows `rows` of global batch `step`
+        (zerodp.models.dropout.row_keys): what the model takes as `dropout_keys` for them."""
+        assert self.dropout_seed is not None, "dropout keys of batches whose model does not drop"
+        return row_keys(self.dropout_seed, step, list(rows))
 
     def target_counts(self, offsets: np.ndarray) -> np.ndarray:
         """The number of target tokens (y not IGNORE_INDEX) of each row at `offsets` (int64): T where its
@@ -328,6 +346,9 @@ class MicroBatches(list):
     weights: list[float] | None = None
     targets: int | None = None
     """N, the target tokens of the whole global batch (metrics.jsonl's target_tokens)."""
+    dropout_keys: list[torch.Tensor] | None = None
+    """Per micro batch its rows' dropout keys (micro,) (zerodp.models.dropout.row_keys of (train.seed,
+    step, the row's index in the global batch)); None when the model trains without dropout."""
     spread: float = 1.0
     """The mean of the squared weights of the step's P micro batches, every rank's (0 without targets): the
     gradient noise scale's correction for uneven micro batches (zerodp.telemetry.grad_noise)."""

@@ -3,7 +3,8 @@ zerodp.models.recompute), the loss (the head's: zerodp.models.loss), generation 
 `KVCache`), the names of tied weights, and the initial weights. A family implements `embed(idx, start,
 positions)`, `run_block(block, x, kv, mask)`, `head(x, targets=None)` (the final norm, then its
 `zerodp.models.loss.LMHead`), `blocks` and names its `RESIDUAL_PROJECTIONS`; the loop and the strategies
-see only this. Document masking (`doc_ids`) is zerodp.models.docmask's.
+see only this. Document masking (`doc_ids`) is zerodp.models.docmask's; dropout is keyed by the rows
+(`dropout_keys`), the position, the feature and the site, whatever the layout (zerodp.models.dropout).
 
 Initial weights do not depend on the layout: parameter `name`'s initial values are a pure function of
 (train.seed, name), cut in blocks of INIT_BLOCK elements of the flattened parameter, each block drawn
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zerodp.models import docmask, recompute
+from zerodp.models import docmask, dropout, recompute
 from zerodp.models.lora_spec import adapter_shapes, lora_spec
 from zerodp.models.loss import IGNORE_INDEX
 
@@ -77,13 +78,14 @@ class KVCache:
         """Tokens cached so far: the position of the next token."""
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None, dropout: float,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None,
            enable_gqa: bool = False) -> torch.Tensor:
-    """Causal SDPA of q over k, v (B, heads, T, hd), through the block's cache `kv` when generating."""
+    """Causal SDPA of q over k, v (B, heads, T, hd), through the block's cache `kv` when generating. No
+    dropout: attention dropout is zerodp.models.dropout.KeyedDropout.attend's."""
     causal = True
     if kv is not None:
         k, v, causal = kv.extend(k, v)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=causal, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=enable_gqa)
 
 
 class DecoderLM(nn.Module):
@@ -94,6 +96,8 @@ class DecoderLM(nn.Module):
 
     RESIDUAL_PROJECTIONS: tuple[str, ...] = ()
     """Name suffixes of the weights that write into the residual stream."""
+    _drops: bool | None = None
+    """Whether a KeyedDropout of the model drops (p > 0); None until their sites are named."""
 
     def initial_values(self, name: str, seed: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Elements [start, stop) of parameter `name`'s flattened initial fp32 values, on the CPU.
@@ -141,14 +145,17 @@ class DecoderLM(nn.Module):
         return self.arch.tied_weights()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, dropout_keys: torch.Tensor | None = None) -> torch.Tensor:
         """Return the mean cross-entropy over all tokens if targets are given, else the logits (B, T, V).
         With `doc_ids` (B, T), integer and non-decreasing along T (a new value starts a document; a row's
         first token starts one), attention stays within each document and positions restart at 0 at each
         (zerodp.models.docmask): a packed sample computes what its documents alone would. One mask is built
         here, shared by every block. With a `cache` (generation, no gradients, no doc_ids) `idx` continues
         the cached tokens: positions start at cache.pos, each block attends to its cached keys and values
-        and appends idx's."""
+        and appends idx's. `dropout_keys` (B,) int64: each row's dropout key in training
+        (zerodp.models.dropout.row_keys of its global-batch row; drawn from torch's generator when not
+        given); ignored outside training or without dropout."""
+        keys = self._row_keys(idx, dropout_keys)
         start = cache.pos if cache is not None else 0
         if doc_ids is None:
             x, extra = self.embed(idx, start), ()  # (B, T, C)
@@ -159,12 +166,12 @@ class DecoderLM(nn.Module):
             extra = (None, docmask.document_mask(doc_ids, kind, docmask.compute_dtype(x)))  # (kv, mask)
         recomputed = recompute.checkpoint_options(self.cfg.activation_checkpointing) if self.training else None
         for i, block in enumerate(self.blocks()):
-            if recomputed is not None:
-                x = checkpoint(self.run_block, block, x, *extra, use_reentrant=False, **recomputed)
+            if recomputed is not None:  # the keys are set inside what is recomputed: the same masks again
+                x = checkpoint(self._run_keyed, keys, block, x, *extra, use_reentrant=False, **recomputed)
             elif extra:
-                x = self.run_block(block, x, *extra)
+                x = self._run_keyed(keys, block, x, *extra)
             else:
-                x = self.run_block(block, x, cache.layers[i] if cache is not None else None)
+                x = self._run_keyed(keys, block, x, cache.layers[i] if cache is not None else None)
         if cache is not None:
             cache.pos += idx.shape[1]
         if targets is None:
@@ -175,6 +182,21 @@ class DecoderLM(nn.Module):
         # without targets: that one adds 0.
         total = self.head(x, targets)
         return total / (targets != IGNORE_INDEX).sum().clamp(min=1)
+
+    def _run_keyed(self, keys: torch.Tensor | None, block: nn.Module, x: torch.Tensor, *args) -> torch.Tensor:
+        with dropout.rows(keys):
+            return self.run_block(block, x, *args)
+
+    def _row_keys(self, idx: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor | None:
+        """The rows' dropout keys (B,) on idx's device, or None where nothing drops (eval, p = 0)."""
+        if self._drops is None:  # once: the sites' names are the model's own, whatever wraps it later
+            self._drops = dropout.name_sites(self)
+        if not (self.training and self._drops):
+            return None
+        if given is None:  # a caller without the data's keys (not the loop): random, as torch's dropout
+            return torch.randint(0, dropout.MASK32 + 1, idx.shape[:1], device=idx.device)
+        assert given.shape == idx.shape[:1], f"dropout_keys {tuple(given.shape)} for rows {tuple(idx.shape)}"
+        return given.to(idx.device)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8, top_k: int = 50) -> torch.Tensor:

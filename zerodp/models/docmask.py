@@ -104,9 +104,9 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
-def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dropout: float,
-                     gqa: bool = False) -> torch.Tensor:
-    """Attention of q (B, nh, T, hd) over k, v (B, nkv, T, hd) under a `document_mask`. Grouped-query
+def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, gqa: bool = False) -> torch.Tensor:
+    """Attention of q (B, nh, T, hd) over k, v (B, nkv, T, hd) under a `document_mask`, without dropout
+    (with it: zerodp.models.dropout.KeyedDropout.attend, which takes the sdpa kind's mask). Grouped-query
     heads: flex takes them as they are; SDPA too on the CPU, while on CUDA k and v are repeated (SDPA's
     grouped-query support is the flash and math kernels', and flash takes no mask)."""
     if not isinstance(mask, torch.Tensor):  # a BlockMask
@@ -117,5 +117,5 @@ def attend_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, dr
         gqa = False
     if mask.dtype != q.dtype:  # not expected (compute_dtype): a copy per layer, but correct
         mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerodp.models.dropout import KeyedDropout
 from zerodp.models.lora_spec import LoraSpec, adapted_modules, is_adapter
 
 
@@ -43,7 +44,8 @@ def add_adapters(model: nn.Module, spec: LoraSpec) -> int:
         # created like the module's own parameters: on the current default device (meta) or under zero.Init
         module.lora_A = nn.Linear(module.in_features, spec.rank, bias=False)
         module.lora_B = nn.Linear(spec.rank, module.out_features, bias=False)
-        module.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+        # keyed by (row, position, input feature, this layer): the same mask at any layout (zerodp.models.dropout)
+        module.lora_dropout = KeyedDropout(spec.dropout) if spec.dropout else nn.Identity()
         module.scaling = spec.scaling
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name))

@@ -202,7 +202,7 @@ def set_up(cfg: Config, env: DistEnv, grad_accum: int):
     The model is built on the meta device (no memory); the strategy materialises only what this rank
     keeps and fills it with the initial weights of (train.seed, parameter name), so every strategy at
     every world size starts from the same weights; a checkpoint then loads tensor by tensor."""
-    torch.manual_seed(cfg.train.seed)  # the same dropout streams as one process
+    torch.manual_seed(cfg.train.seed)  # what draws from torch's generator draws the same on every rank
     model = build_model(cfg.model, device="meta")
     strategy = make_strategy(cfg.strategy.name)
     meta = run_metadata(cfg, cfg.strategy.name, strategy.layout, env, model)
@@ -388,11 +388,13 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
     loss_sum = torch.zeros((), device=device)
     forward = Stopwatch(device)
     weights = getattr(micro_batches, "weights", None)  # loss masks: the global batch's target mean
+    keys = getattr(micro_batches, "dropout_keys", None)  # dropout: each row's masks, whatever the layout
     for i, batch in enumerate(micro_batches):
         batch = model_inputs(batch, device)
+        keyed = {"dropout_keys": keys[i].to(device, non_blocking=True)} if keys is not None else {}
         with strategy.micro_step(is_last=i == len(micro_batches) - 1):
             with strategy.autocast(), forward:
-                loss = strategy.model(*batch)
+                loss = strategy.model(*batch, **keyed)
                 if weights is not None:
                     loss = loss * weights[i]  # a Python float: no host sync
             strategy.backward(loss)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # for annotations only: zerodp.config imports zerodp.models.h
 from zerodp.models.arch import arch_of
 from zerodp.models.common import DecoderLM, LayerKV, attend
 from zerodp.models.docmask import attend_documents
+from zerodp.models.dropout import KeyedDropout
 from zerodp.models.loss import LMHead
 
 
@@ -30,7 +31,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head = a.n_head
         self.c_attn = nn.Linear(a.n_embd, 3 * a.n_embd, bias=a.bias)
         self.c_proj = nn.Linear(a.n_embd, a.n_embd, bias=a.bias)
-        self.dropout = cfg.dropout
+        self.attn_dropout = KeyedDropout(cfg.dropout)   # on the attention probabilities
+        self.resid_dropout = KeyedDropout(cfg.dropout)  # on the output projection
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None, mask=None) -> torch.Tensor:
         B, T, C = x.shape
@@ -38,10 +40,12 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
-        drop = self.dropout if self.training else 0.0
-        y = attend(q, k, v, kv, drop) if mask is None else attend_documents(q, k, v, mask, drop)  # (B, nh, T, hs)
+        if self.attn_dropout.active():
+            y = self.attn_dropout.attend(q, k, v, mask)  # (B, nh, T, hs)
+        else:
+            y = attend(q, k, v, kv) if mask is None else attend_documents(q, k, v, mask)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return F.dropout(self.c_proj(y), drop, self.training)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -50,11 +54,10 @@ class MLP(nn.Module):
         a = arch_of(cfg)
         self.c_fc = nn.Linear(a.n_embd, a.ffn, bias=a.bias)
         self.c_proj = nn.Linear(a.ffn, a.n_embd, bias=a.bias)
-        self.dropout = cfg.dropout
+        self.drop = KeyedDropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-        return F.dropout(x, self.dropout, self.training)
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
 class Block(nn.Module):

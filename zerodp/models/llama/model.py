@@ -23,6 +23,7 @@ from zerodp.errors import ConfigError
 from zerodp.models.arch import Arch, arch_of
 from zerodp.models.common import DecoderLM, LayerKV, attend
 from zerodp.models.docmask import attend_documents
+from zerodp.models.dropout import KeyedDropout
 from zerodp.models.loss import LMHead
 
 
@@ -78,7 +79,9 @@ def native_gqa(q: torch.Tensor) -> bool:
 class Attention(nn.Module):
     def __init__(self, a: Arch, dropout: float):
         super().__init__()
-        self.a, self.dropout = a, dropout
+        self.a = a
+        self.attn_dropout = KeyedDropout(dropout)   # on the attention probabilities
+        self.resid_dropout = KeyedDropout(dropout)  # on the output projection
         q, kv = a.n_head * a.head_dim, a.n_kv_head * a.head_dim
         self.q_proj = nn.Linear(a.n_embd, q, bias=a.qkv_bias)
         self.k_proj = nn.Linear(a.n_embd, kv, bias=a.qkv_bias)
@@ -101,29 +104,29 @@ class Attention(nn.Module):
         q = (q * cos + rotate_half(q) * sin).to(v.dtype)
         k = (k * cos + rotate_half(k) * sin).to(v.dtype)
         gqa = a.n_kv_head != a.n_head  # each kv head serves n_head / n_kv_head consecutive query heads
-        drop = self.dropout if self.training else 0.0
-        if mask is not None:  # a document mask (zerodp.models.docmask): it handles grouped heads itself
-            y = attend_documents(q, k, v, mask, drop, gqa)  # (B, nh, T, hd)
+        if self.attn_dropout.active():  # grouped heads repeated, the probabilities computed and dropped
+            y = self.attn_dropout.attend(q, k, v, mask)  # (B, nh, T, hd)
+        elif mask is not None:  # a document mask (zerodp.models.docmask): it handles grouped heads itself
+            y = attend_documents(q, k, v, mask, gqa)  # (B, nh, T, hd)
         else:
             if gqa and not native_gqa(q):
                 k = k.repeat_interleave(a.n_head // a.n_kv_head, dim=1)  # (B, nh, T, hd)
                 v = v.repeat_interleave(a.n_head // a.n_kv_head, dim=1)
-            y = attend(q, k, v, kv, drop, enable_gqa=gqa and native_gqa(q))  # (B, nh, T, hd)
+            y = attend(q, k, v, kv, enable_gqa=gqa and native_gqa(q))  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, a.n_head * a.head_dim)
-        return F.dropout(self.o_proj(y), drop, self.training)
+        return self.resid_dropout(self.o_proj(y))
 
 
 class MLP(nn.Module):
     def __init__(self, a: Arch, dropout: float):
         super().__init__()
-        self.dropout = dropout
+        self.drop = KeyedDropout(dropout)
         self.gate_proj = nn.Linear(a.n_embd, a.ffn, bias=False)
         self.up_proj = nn.Linear(a.n_embd, a.ffn, bias=False)
         self.down_proj = nn.Linear(a.ffn, a.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
-        return F.dropout(x, self.dropout, self.training)
+        return self.drop(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))  # SwiGLU
 
 
 class Block(nn.Module):

@@ -2,15 +2,21 @@
 .save_pretrained(dir)` for `all-linear` (which PEFT records as full module paths), a list mixing a short
 and a full name, and a regular expression, for tiny llama and gpt2 built by transformers from a config.
 zerodp matches the targets as PEFT does (lora_spec.matches), takes rank, alpha and targets from the folder
-(model.lora.init_from without them), starts a run from it (--dry-run), and computes PEFT's logits."""
+(model.lora.init_from without them), starts a run from it (--dry-run), and computes PEFT's logits, through
+zerodp.load_model too; `zerodp generate FOLDER` takes the tokenizer and chat template of the base the
+folder names."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+import zerodp
+from tests.support.sft_fixtures import CHATML, END_OF_TURN, SPECIAL
+from tests.support.text_fixtures import train_bpe
 from zerodp.api import model_from_source
 from zerodp.cli.commands import main
 from zerodp.config import ModelConfig
@@ -35,7 +41,7 @@ def hf_model(family: str):
 
     torch.manual_seed(0)
     if family == "llama":
-        return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
                                             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2))
     return GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=16, bos_token_id=1,
@@ -45,29 +51,41 @@ def hf_model(family: str):
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("peft-bases")
+    # the llama base holds a tokenizer (a byte-level BPE) and a ChatML template, as a Hugging Face model does
+    tok = train_bpe(root / "llama" / "tokenizer.json", vocab_size=VOCAB, n_files=4, special=SPECIAL)
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(tok)).get_vocab_size() == VOCAB
+    (root / "llama" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML,
+                                                                      "eos_token": END_OF_TURN}))
     for family in FORMS:
         hf_model(family).save_pretrained(root / family)
     return root
 
 
-@pytest.fixture(scope="module", params=[(f, form) for f in FORMS for form in FORMS[f]], ids=lambda p: "-".join(p))
-def saved(request, bases, tmp_path_factory):
-    """(family, form, base folder, PEFT folder, PEFT's logits of IDX, PEFT's adapted module names)."""
+def save_peft(base: Path, folder: Path, targets):
+    """PEFT's folder of random rank-4 adapters on `targets` over Hugging Face folder `base`; returns the PEFT
+    model (eval mode)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(1)  # init_lora_weights=False: A and B random, so the adapters change the logits
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    peft.save_pretrained(folder)
+    return peft.eval()
+
+
+@pytest.fixture(scope="module", params=[(f, form) for f in FORMS for form in FORMS[f]], ids=lambda p: "-".join(p))
+def saved(request, bases, tmp_path_factory):
+    """(family, form, base folder, PEFT folder, PEFT's logits of IDX, PEFT's adapted module names)."""
     family, form = request.param
     folder = tmp_path_factory.mktemp(f"peft-{family}-{form}") / "adapter"
-    base = AutoModelForCausalLM.from_pretrained(bases / family, dtype=torch.float32)
-    torch.manual_seed(1)  # init_lora_weights=False: A and B random, so the adapters change the logits
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=FORMS[family][form],
-                                            init_lora_weights=False)).eval()
-    model.save_pretrained(folder)
+    model = save_peft(bases / family, folder, FORMS[family][form])
     with torch.no_grad():
         logits = model(IDX).logits
-        plain = model.get_base_model()
         with model.disable_adapter():
-            base_logits = plain(IDX).logits
+            base_logits = model(IDX).logits
     assert (logits - base_logits).abs().max().item() > 1e-3  # the adapters matter: the test can fail
     adapted = {n.removeprefix("base_model.model.").removesuffix(".lora_A.default.weight")
                for n, _ in model.named_parameters() if ".lora_A." in n}
@@ -75,6 +93,7 @@ def saved(request, bases, tmp_path_factory):
 
 
 IDX = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+VOCAB = 300
 
 
 def test_a_folder_peft_saved_computes_peft_logits_in_zerodp(saved):
@@ -90,14 +109,33 @@ def test_a_folder_peft_saved_computes_peft_logits_in_zerodp(saved):
     assert set(adapted_modules(arch_of(model), spec)) == adapted
     with open_model(folder) as source, torch.no_grad():
         ours = model_from_source(source)(IDX)
-    diff = (ours - logits).abs().max().item()
+    with torch.no_grad():
+        api = zerodp.load_model(folder)(IDX)  # the Python API opens what the CLI opens
+    diff = max((ours - logits).abs().max().item(), (api - logits).abs().max().item())
     assert diff < 1e-5, diff
+
+
+def test_generate_and_load_model_open_a_peft_folder_over_its_base(bases, tmp_path, capsys):
+    """generate takes the tokenizer and chat template of the base the folder names; zerodp.load_model
+    computes PEFT's logits."""
+    folder = tmp_path / "adapter"
+    peft = save_peft(bases / "llama", folder, ["q_proj", "v_proj"])
+    with torch.no_grad():
+        diff = (zerodp.load_model(folder)(IDX) - peft(IDX).logits).abs().max().item()
+    assert diff < 1e-5, diff
+    assert not (folder / "tokenizer.json").exists()  # PEFT saves none: the base's is the one
+    capsys.readouterr()
+    assert main(["generate", str(folder), "--prompt", "def ", "--max-new-tokens", "6", "--temperature", "0"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("def ") and len(said) > 5, said
+    assert main(["generate", str(folder), "--chat", "hello", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip(), "no answer printed"
 
 
 def _model_section(family: str) -> dict:
     if family == "llama":
-        return dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64, vocab_size=256,
-                    block_size=16)
+        return dict(arch="llama", n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=64,
+                    vocab_size=VOCAB, block_size=16)
     return dict(arch="gpt2", n_layer=2, n_head=2, n_embd=32, vocab_size=256, block_size=16)
 
 

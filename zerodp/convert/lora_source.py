@@ -2,10 +2,10 @@
 merged into them (W + alpha / r B A), whatever holds the adapters (a LoRA run's checkpoint, which keeps
 the adapters alone, or a PEFT adapter folder) and wherever the base comes from.
 
-    with open_model(path) as source:         # any checkpoint; a LoRA one (or a PEFT folder) with its base
+    with open_model(path) as source:          # any checkpoint; a LoRA one (or a PEFT folder) with its base
         model = zerodp.api.model_from_source(source)
-    with open_lora(ckpt, merged=True) as merged:
-        write_hf(merged, "exports/merged")    # the full model, in Hugging Face's layout
+    with open_model(ckpt, merged=True) as merged:
+        write_hf(merged, "exports/merged")     # the full model, in Hugging Face's layout
 
 The base of a LoRA run is what its checkpoint records (meta.json's `lora.base`, else the run's config):
 `model.init_from`'s weights, read through zerodp.convert (any format), or, without one, the model's
@@ -241,6 +241,19 @@ def peft_model(folder: str | Path, merged: bool) -> LoraSource:
     model = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k != "lora"}
     base = _Base(model_cfg, str(base_path), 0)
     return LoraSource(folder, {**meta, "config": {"model": model}}, model, spec, adapters, base, merged)
+
+
+def model_folders(source: CheckpointSource) -> list[Path]:
+    """Where the tokenizer and chat template of an open checkpoint's model may lie: beside the checkpoint
+    (an export's, or a checkpoint converted from one), then, for a LoRA model, beside its base (the
+    folder a PEFT adapter's base_model_name_or_path or a LoRA run's model.init_from names)."""
+    path = Path(source.path)
+    out = [path, path.parent]
+    base = getattr(source, "base", None)
+    if isinstance(source, LoraSource) and base.source is not None:
+        where = Path(base.source.path)
+        out += [where] if where.is_dir() else [where.parent]
+    return out
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import zerodp
 from tests.support.cli_checks import one_line_error
 from zerodp.api import model_from_source
 from zerodp.cli.commands import main
@@ -110,8 +111,18 @@ def test_peft_and_the_merged_export_compute_the_lora_model(exported, capsys):
     if family == "gpt2":
         assert all(to_hf(family, f"{m}.weight")[1] == TRANSPOSE for m in modules)
 
+    # the base is the seed's initial weights, which no folder holds: written inside, and named
+    assert config["base_model_name_or_path"] == str((tmp / "peft" / "base").resolve())
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     ours, peft, merged = logits_of(tmp, base, idx)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        own = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32).eval()
+        on_own_base = PeftModel.from_pretrained(own, tmp / "peft").eval()(idx).logits
+        api = zerodp.load_model(tmp / "run")(idx)  # the Python API opens a LoRA run as eval and convert do
+    assert (on_own_base - ours).abs().max().item() < 1e-5 and (api - ours).abs().max().item() == 0
     with torch.no_grad():
         plain = build_model(base_config(tmp / "run"), seed=1337)(idx)  # train.seed's initial weights: the base
     d_peft, d_merged = (peft - ours).abs().max().item(), (merged - peft).abs().max().item()
@@ -172,10 +183,10 @@ def test_eval_and_generate_see_base_plus_adapters(exported, capsys, tmp_path):
     assert "(LoRA adapters alone: rank 4" in said and "base the initial weights of seed 1337)" in said
     assert f"(PEFT LORA adapter: r 4, alpha {16 if family == 'gpt2' else 8}, targets" in said and str(base) in said
     texts = []
-    for path in (tmp / "run", tmp / "merge"):
+    for path in (tmp / "run", tmp / "merge", tmp / "peft"):  # the PEFT export over the base written inside it
         assert main(["generate", str(path), "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0"]) == 0
         texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1] and len(texts[0]) > 4
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) > 4
     if family != "llama":
         return
     # the base from model.init_from, read through zerodp.convert (here its Hugging Face export)

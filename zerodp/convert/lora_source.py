@@ -171,6 +171,41 @@ class LoraSource(CheckpointSource):
         self.base.close()
 
 
+class BaseModel(CheckpointSource):
+    """The base of a LoRA model alone, as a plain model's source: what `zerodp convert RUN --to peft`
+    writes beside the adapters as a Hugging Face folder when the base is a seed's initial weights, which
+    no folder holds. Reads through `lora`, which stays open and is closed by its owner."""
+
+    def __init__(self, lora: LoraSource):
+        self.path, self.format, self._base = lora.path, lora.format, lora.base
+        config = copy.deepcopy(lora.meta.get("config") or {})
+        config["model"] = {k: v for k, v in (config.get("model") or {}).items() if k != "lora"}
+        self.meta = {**{k: v for k, v in lora.meta.items() if k != "lora"}, "config": config}
+
+    def param_names(self) -> list[str]:
+        return list(self._base.shapes)
+
+    def info(self, name: str) -> TensorInfo:
+        return TensorInfo(tuple(self._base.shapes[name]), torch.float32)
+
+    def get(self, name: str, kind: str = "param") -> torch.Tensor:
+        if kind != "param":
+            raise KeyError(f"the base of {self.path} has no {kind} for {name}: weights only")
+        return self._base.get(name)
+
+    def has(self, name: str, kind: str) -> bool:
+        return kind == "param"
+
+    def files(self) -> list[Path]:
+        return self._base.files()
+
+    def verify(self, deep: bool = True) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
 class _Folder:
     """A PEFT folder as `parts` names it: the folder and its files."""
 

@@ -28,6 +28,8 @@ from zerodp.models.lora_spec import ALL_LINEAR, LoraSpec, adapted_modules, adapt
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PICKLED = "adapter_model.bin"
+BASE_FOLDER = "base"  # zerodp.convert.destination.PEFT_BASE
+"""Where `zerodp convert RUN --to peft` writes a base no folder holds (a seed's initial weights)."""
 PREFIX = "base_model.model."
 """PeftModel's prefix on the wrapped model's names, as its saved adapters carry it."""
 # Settings under which PEFT computes something else than W x + (alpha / r) B A x: refused on import.
@@ -87,25 +89,34 @@ def adapter_config(arch, spec: LoraSpec, base: str | None) -> dict:
 
 
 def write_peft(adapters: dict, dst: str | Path, arch, spec: LoraSpec, base: str | None, metadata: dict,
-               confirm=lambda: None) -> list[Path]:
+               confirm=lambda: None, base_model=None) -> list[Path]:
     """Write folder `dst` (checked by zerodp.convert.destination.check_destination first) as a PEFT
     adapter: adapter_config.json and adapter_model.safetensors of `adapters` ({zerodp name: tensor}, in
     their dtype) under PEFT's keys, with `metadata` in the file's header. Written into a hidden sibling
     and renamed into place (zerodp.checkpoint.safe_output.staged) only after `confirm()` (the source's
-    integrity check) has passed."""
+    integrity check) has passed.
+
+    `base_model` (a CheckpointSource of the base model, when no folder holds it: a seed's initial weights)
+    is written inside as the Hugging Face folder `dst/base`, which base_model_name_or_path then names."""
     from zerodp.checkpoint.safe_output import staged
     from zerodp.convert.source import TensorInfo, write_safetensors_file
 
     assert set(adapters) == set(adapter_shapes(arch, spec)), "the adapters are not the spec's"
     keys = {peft_key(arch.family, n)[0]: n for n in sorted(adapters)}
     infos = {k: TensorInfo(tuple(adapters[n].shape), adapters[n].dtype) for k, n in keys.items()}
+    if base_model is not None:
+        base = str(Path(dst).resolve() / BASE_FOLDER)
     config = adapter_config(arch, spec, base)
     with staged(dst) as out:
+        if base_model is not None:
+            from zerodp.convert.writers import write_hf
+
+            write_hf(base_model, out / BASE_FOLDER, progress=False)
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         write_safetensors_file(out / ADAPTER_WEIGHTS, list(keys), infos, lambda k: adapters[keys[k]].contiguous(),
                                {"format": "pt", "zerodp.layout": "peft", **metadata})
         confirm()
-    return [Path(dst) / ADAPTER_CONFIG, Path(dst) / ADAPTER_WEIGHTS]
+    return [Path(dst) / ADAPTER_CONFIG, Path(dst) / ADAPTER_WEIGHTS] + ([Path(dst) / BASE_FOLDER] if base_model else [])
 
 
 # -- reading -----------------------------------------------------------------------------------------

@@ -225,3 +225,63 @@ def test_a_run_from_a_peft_export_starts_where_its_run_ended(exported, tmp_path)
                   "train.eval_every=1", "checkpoint.every=1", "optim.lr=1e-12", "optim.min_lr=1e-12")
     assert abs(again[-1]["val_loss"] - metrics[-1]["val_loss"]) < 1e-6, (again[-1], metrics[-1])
     assert abs(again[0]["loss"] - metrics[0]["loss"]) > 1e-4  # the first run started elsewhere (B = 0)
+
+
+def test_a_lora_run_resumes_only_on_the_base_it_was_trained_on(exported, tmp_path, capsys):
+    """A LoRA run on a base folder (model.init_from): a resume with another model.lora.dropout is accepted;
+    one whose base weights changed says the weights at that path changed; a missing base says it is not
+    there; `zerodp inspect` checks the base and says either. model.init_from at a LoRA run's checkpoint
+    says it holds adapters. Each refusal one line, nothing written."""
+    family, tmp, _, base = exported
+    if family != "llama":
+        return
+    config, *settings = FAMILIES[family]
+    capsys.readouterr()
+    one_line_error(capsys, main(["train", config, *SMALL, *settings, f"model.init_from={tmp / 'run'}",
+                                 f"train.out_dir={tmp_path / 'wrong'}", "--dry-run"]),
+                   rf"^zerodp: error: model\.init_from {tmp / 'run'} is a LoRA run's checkpoint \(its adapters alone, "
+                   rf"not a model\); to go on from its adapters, export them with `zerodp convert {tmp / 'run'} OUT "
+                   r"--to peft` and set model\.lora\.init_from=OUT, or merge them into a model with `zerodp convert "
+                   rf"{tmp / 'run'} OUT --to hf --merge` and set model\.init_from=OUT$")
+    assert not (tmp_path / "wrong").exists()
+    copy = tmp_path / "base"
+    shutil.copytree(base, copy)
+    run = tmp_path / "run"
+    train(run, config, *settings, f"model.init_from={copy}")
+    # dropout is a training setting: the adapters resume under another (docs/checkpoints.md)
+    assert main(["train", config, *SMALL, *settings, f"model.init_from={copy}", f"train.out_dir={run}",
+                 "model.lora.dropout=0.1", "train.max_steps=4", "train.eval_every=4", "checkpoint.every=4"]) == 0
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+    capsys.readouterr()
+    # (--dry-run: the same start checks; a refused launch leaves its process at once, a test's included)
+    resume = ["train", config, *SMALL, *settings, f"model.init_from={copy}", f"train.out_dir={run}",
+              "train.max_steps=5", "--dry-run"]
+    weights = copy / "model.safetensors"
+    tensors = {}
+    with safe_open(weights, "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
+    save_file(tensors, tmp_path / "changed.safetensors", metadata=metadata)
+    (tmp_path / "changed.safetensors").replace(weights)  # the same path, other weights
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    one_line_error(capsys, main(resume),
+                   rf"^zerodp: error: {run / 'checkpoints'}/step_00000004 holds LoRA adapters trained on the base "
+                   rf"model {copy} \(model\.init_from\), and the weights at that path changed since \(sha256 \w{{12}} "
+                   r"recorded, \w{12} now\): they would be resumed on weights they were not fitted to; put the "
+                   r"original base back there, or start over with --fresh$")
+    assert main(["inspect", str(run)]) == 1
+    said = capsys.readouterr().out
+    assert f"base:        {copy} (model.init_from): CHANGED" in said, said
+    assert f"integrity:   every file present and intact, but the weights at {copy} changed since" in said, said
+    assert "integrity:   ok" not in said
+    copy.rename(tmp_path / "moved")
+    one_line_error(capsys, main(resume), rf"^zerodp: error: model\.init_from {copy} does not exist: the base model is "
+                                         r"not there; run where it is or copy it to that path")
+    one_line_error(capsys, main([*resume, f"model.hf_config={copy}", "model.n_layer=2"]),
+                   rf"^zerodp: error: the base model {copy} \(model\.init_from and model\.hf_config\) is not here; run "
+                   r"where it is, or copy it to that path$")
+    assert main(["inspect", str(run)]) == 1
+    said = capsys.readouterr().out
+    assert f"base:        {copy} (model.init_from): NOT HERE" in said and "integrity:   ok" not in said, said
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing written

@@ -256,15 +256,18 @@ def test_a_lora_run_resumes_only_on_the_base_it_was_trained_on(exported, tmp_pat
     # (--dry-run: the same start checks; a refused launch leaves its process at once, a test's included)
     resume = ["train", config, *SMALL, *settings, f"model.init_from={copy}", f"train.out_dir={run}",
               "train.max_steps=5", "--dry-run"]
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    one_line_error(capsys, main([*resume, "model.lora.rank=8", "model.lora.targets=[q_proj]"]),
+                   r"holds a different model than this config \(model\.lora\.rank=4 there, 8 here, "
+                   r"model\.lora\.alpha=8 there, 16 here, model\.lora\.targets=\[q_proj, v_proj, down_proj\] there, "
+                   r"\[q_proj\] here\); rerun with the checkpoint's model settings")
     weights = copy / "model.safetensors"
-    tensors = {}
     with safe_open(weights, "pt") as f:
         metadata = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
     save_file(tensors, tmp_path / "changed.safetensors", metadata=metadata)
     (tmp_path / "changed.safetensors").replace(weights)  # the same path, other weights
-    before = sorted(p.name for p in (run / "checkpoints").iterdir())
     one_line_error(capsys, main(resume),
                    rf"^zerodp: error: {run / 'checkpoints'}/step_00000004 holds LoRA adapters trained on the base "
                    rf"model {copy} \(model\.init_from\), and the weights at that path changed since \(sha256 \w{{12}} "

@@ -40,6 +40,10 @@ def test_model_lora_settings_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"^model\.lora\.rank=0 must be a positive whole number such as 16 \(the "
                                           r"adapters' rank\); for full fine-tuning remove model\.lora$"):
         lora_spec({"rank": 0})
+    with pytest.raises(ConfigError, match=r"^model\.lora\.rank is not set: set it to a positive whole number such as "
+                                          r"16 \(the adapters' rank\), or model\.lora\.init_from to a PEFT folder to "
+                                          r"take it from; for full fine-tuning remove model\.lora$"):
+        lora_spec({"alpha": 8})
     with pytest.raises(ConfigError, match=r"^unknown key 'ranq' in model\.lora; did you mean 'rank'\?$"):
         lora_spec({"rank": 4, "ranq": 8})
     with pytest.raises(ConfigError, match=r"^model\.lora\.targets: 'qq_proj' names no linear layer of llama's blocks; "

@@ -321,7 +321,7 @@ def check_model(path: str | Path, model_cfg: dict, shapes: dict[str, tuple], may
         ours = _effective(model_cfg)
         diffs = [f"model.{k}={saved[k]!r} there, {v!r} here" for k, v in ours.items()
                  if k not in FREE_MODEL_KEYS and k not in free and k != "lora" and k in saved and saved[k] != v]
-        if "lora" not in free and "lora" in ours:
+        if "lora" not in free and "lora" in ours and ("lora" in saved or source.meta.get("lora")):
             diffs += _lora_diffs(source.meta.get("lora") or saved.get("lora"), ours["lora"])
         problem = ", ".join(diffs) if diffs else state.mismatch(shapes, may_lack)
         lora = bool((source.meta.get("lora") or ((source.meta.get("config") or {}).get("model") or {}).get("lora")))

@@ -184,7 +184,11 @@ def _modules_of_targets(arch, targets) -> set[str]:
     if isinstance(targets, str):
         if targets.lower() == ALL_LINEAR:
             return set(every)
-        return {m for m, h in every.items() if re.fullmatch(targets, h)}
+        try:
+            return {m for m, h in every.items() if re.fullmatch(targets, h)}
+        except re.error as e:
+            raise ConfigError(f"{ADAPTER_CONFIG}: target_modules {targets!r} is not a valid regular expression "
+                              f"({e}); re-save the adapter") from None
     targets = [t for t in targets or () if isinstance(t, str)]
     return {m for m, h in every.items() if h in targets or any(h.endswith(f".{t}") for t in targets)}
 

@@ -288,3 +288,30 @@ def test_a_lora_run_resumes_only_on_the_base_it_was_trained_on(exported, tmp_pat
     said = capsys.readouterr().out
     assert f"base:        {copy} (model.init_from): NOT HERE" in said and "integrity:   ok" not in said, said
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing written
+
+
+def test_a_run_starts_from_a_folder_peft_itself_saved(exported, tmp_path):
+    """`get_peft_model(base, LoraConfig(target_modules="all-linear")).save_pretrained` records the targets
+    as full module names; model.lora.init_from = that folder, with no rank, alpha or targets given, starts
+    a run on the same base (one step at a learning rate of 1e-12) whose model computes PEFT's logits."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    family, _, _, base = exported
+    config, *settings = FAMILIES[family]
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(3)  # init_lora_weights=False: A and B random, so the adapters change the logits
+    get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+                   ).save_pretrained(tmp_path / "theirs")
+    assert "." in json.loads((tmp_path / "theirs" / "adapter_config.json").read_text())["target_modules"][0]
+    plain = [s for s in settings if not s.startswith("model.lora.")]  # rank, alpha, targets: the folder's
+    train(tmp_path / "run", config, *plain, f"model.init_from={base}", f"model.lora.init_from={tmp_path / 'theirs'}",
+          "train.max_steps=1", "train.eval_every=1", "checkpoint.every=1", "optim.lr=1e-12", "optim.min_lr=1e-12")
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                         tmp_path / "theirs").eval()(idx).logits
+        plain_logits = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(idx).logits
+        ours = zerodp.load_model(tmp_path / "run")(idx)
+    assert (ours - peft).abs().max().item() < 1e-5
+    assert (peft - plain_logits).abs().max().item() > 1e-3  # the adapters matter: the test can fail

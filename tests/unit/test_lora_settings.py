@@ -44,6 +44,10 @@ def test_model_lora_settings_are_refused_with_the_fix():
                                           r"16 \(the adapters' rank\), or model\.lora\.init_from to a PEFT folder to "
                                           r"take it from; for full fine-tuning remove model\.lora$"):
         lora_spec({"alpha": 8})
+    with pytest.raises(ConfigError, match=r"^model\.lora\.rank is not set and model\.lora\.init_from /nowhere holds no "
+                                          r"readable adapter_config\.json to take it from; give a PEFT adapter folder "
+                                          r"there, or set model\.lora\.rank$"):
+        lora_spec({"init_from": "/nowhere"})
     with pytest.raises(ConfigError, match=r"^unknown key 'ranq' in model\.lora; did you mean 'rank'\?$"):
         lora_spec({"rank": 4, "ranq": 8})
     with pytest.raises(ConfigError, match=r"^model\.lora\.targets: 'qq_proj' names no linear layer of llama's blocks; "

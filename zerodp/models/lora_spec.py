@@ -84,6 +84,10 @@ def lora_spec(section: dict | None, where: str = "model.lora") -> LoraSpec | Non
     section = {**_of_folder(init_from), **section} if init_from else section
     rank = section.get("rank")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        if rank is None and init_from:
+            raise ConfigError(f"{where}.rank is not set and {where}.init_from {init_from} holds no readable "
+                              f"adapter_config.json to take it from; give a PEFT adapter folder there, or set "
+                              f"{where}.rank")
         if rank is None:
             raise ConfigError(f"{where}.rank is not set: set it to a positive whole number such as 16 (the adapters' "
                               f"rank), or {where}.init_from to a PEFT folder to take it from; for full fine-tuning "

@@ -181,3 +181,32 @@ def test_a_pattern_that_reaches_outside_the_blocks_is_refused():
         check_targets(arch, lora_spec({"rank": 4, "targets": r".*\.qq_proj"}))
     with pytest.raises(ConfigError, match=r"^model\.lora\.targets: '\(q_proj' is not a valid regular expression"):
         lora_spec({"rank": 4, "targets": ["(q_proj"]})
+
+
+@pytest.mark.parametrize("targets,written", [
+    ([r".*\.(q|v)_proj"], r".*\.(q|v)_proj"),  # one pattern: PEFT's pattern string
+    (["model.layers.1.mlp.down_proj", r".*\.0\.self_attn\.k_proj"],  # names beside a pattern: the full names
+     ["model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj"]),
+])
+def test_zerodp_adapters_on_full_names_and_patterns_export_to_what_peft_adapts(bases, tmp_path, targets, written):
+    """The other direction: adapters of a model.lora.targets with full names and patterns, written as a PEFT
+    folder (zerodp convert --to peft's writer), load in PEFT over the base and compute zerodp's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from zerodp.convert.peft import write_peft
+    from zerodp.models.lora_spec import adapter_shapes
+
+    arch = arch_of(ModelConfig(**_model_section("llama")))
+    spec = lora_spec({"rank": 4, "alpha": 8, "targets": targets})
+    g = torch.Generator().manual_seed(5)
+    adapters = {n: torch.randn(s, generator=g) / 4 for n, s in adapter_shapes(arch, spec).items()}
+    write_peft(adapters, tmp_path / "ours", arch, spec, str(bases / "llama"), {"zerodp.source": "{}"})
+    assert json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["target_modules"] == written
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bases / "llama", dtype=torch.float32),
+                                         tmp_path / "ours").eval()
+        adapted = {n.removeprefix("base_model.model.").removesuffix(".lora_A.default.weight")
+                   for n, _ in peft.named_parameters() if ".lora_A." in n}
+        diff = (zerodp.load_model(tmp_path / "ours")(IDX) - peft(IDX).logits).abs().max().item()
+    assert adapted == set(adapted_modules(arch, spec)) and diff < 1e-5, (adapted, diff)

@@ -218,13 +218,21 @@ def adapter_count(arch, spec: LoraSpec) -> int:
     return sum(math.prod(s) for s in adapter_shapes(arch, spec).values())
 
 
+def _targets_words(spec: LoraSpec) -> str:
+    """The targets in a few words: as given, or, for many full names (a PEFT folder's all-linear), how many
+    and the layers' short names."""
+    if len(spec.targets) <= 7:
+        return ", ".join(spec.targets)
+    return f"{len(spec.targets)} targets: " + ", ".join(sorted({t.rpartition(".")[2] for t in spec.targets}))
+
+
 def summary(arch, spec: LoraSpec, precision: str) -> str:
     """One line for a run's start: what is adapted, how much trains, and the frozen base."""
     modules, trained, base = adapted_modules(arch, spec), adapter_count(arch, spec), arch.param_count()
     share = 100 * trained / (trained + base)
     start = f"; adapters from {spec.init_from}" if spec.init_from else ""
     return (f"LoRA rank {spec.rank}, alpha {spec.alpha:g} (scale {spec.scaling:g}) on {len(modules)} linear layers "
-            f"({', '.join(spec.targets)}): {trained:,} adapter parameters trained ({share:.2f}%), the base's {base:,} "
+            f"({_targets_words(spec)}): {trained:,} adapter parameters trained ({share:.2f}%), the base's {base:,} "
             f"frozen in {precision}{start}")
 
 

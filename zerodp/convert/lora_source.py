@@ -284,9 +284,8 @@ def model_folders(source: CheckpointSource) -> list[Path]:
     folder a PEFT adapter's base_model_name_or_path or a LoRA run's model.init_from names)."""
     path = Path(source.path)
     out = [path, path.parent]
-    base = getattr(source, "base", None)
-    if isinstance(source, LoraSource) and base.source is not None:
-        where = Path(base.source.path)
+    if isinstance(source, LoraSource) and source.base.source is not None:
+        where = Path(source.base.source.path)
         out += [where] if where.is_dir() else [where.parent]
     return out
 

@@ -254,6 +254,8 @@ def spec_of_config(config: dict) -> LoraSpec:
     from zerodp.models.lora_spec import lora_spec
 
     targets = config.get("target_modules")
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:  # PEFT's spelling is case-blind
+        targets = ALL_LINEAR
     targets = [targets] if isinstance(targets, str) else list(targets or [])
     return lora_spec({"rank": config.get("r"), "alpha": config.get("lora_alpha", 8), "targets": targets,
                       "dropout": float(config.get("lora_dropout") or 0.0)}, f"{ADAPTER_CONFIG}")

@@ -3,6 +3,9 @@
     import zerodp
     model = zerodp.load_model("runs/llama-tiny")      # any checkpoint zerodp reads; eval mode
     logits = model(idx)                                # (B, T, vocab)
+
+A LoRA run and a PEFT adapter folder open as `zerodp eval`, `generate` and `convert` open them: the base
+their record names with the adapters beside it (zerodp.convert.lora_source.open_model).
 """
 
 from __future__ import annotations
@@ -46,13 +49,14 @@ def _hf_config_file(path: Path) -> Path | None:
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                config=None) -> torch.nn.Module:
     """The model stored at `path`, in eval mode: a run folder, a step folder, a DeepSpeed or DCP folder,
-    zerodp safetensors or a Hugging Face folder. Built on the meta device and filled tensor by tensor
+    zerodp safetensors, a Hugging Face folder, or a LoRA run or PEFT adapter folder (its base with the
+    adapters). Built on the meta device and filled tensor by tensor
     (never two copies of the weights); `dtype` casts it (default: fp32, as checkpoints store it).
     `config` (a `zerodp.config.ModelConfig`) describes the model where the checkpoint records none.
     `model(idx)` returns logits of shape (B, T, vocab); `model.generate(idx, n)` samples."""
-    from zerodp.convert import open_checkpoint
+    from zerodp.convert.lora_source import open_model
 
-    with open_checkpoint(path) as source:
+    with open_model(path) as source:
         return model_from_source(source, device, dtype, config)
 
 

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+import zerodp
 from tests.support.cli_checks import one_line_error
 from zerodp.api import model_from_source
 from zerodp.cli.commands import main
@@ -110,8 +111,18 @@ def test_peft_and_the_merged_export_compute_the_lora_model(exported, capsys):
     if family == "gpt2":
         assert all(to_hf(family, f"{m}.weight")[1] == TRANSPOSE for m in modules)
 
+    # the base is the seed's initial weights, which no folder holds: written inside, and named
+    assert config["base_model_name_or_path"] == str((tmp / "peft" / "base").resolve())
     idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
     ours, peft, merged = logits_of(tmp, base, idx)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        own = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32).eval()
+        on_own_base = PeftModel.from_pretrained(own, tmp / "peft").eval()(idx).logits
+        api = zerodp.load_model(tmp / "run")(idx)  # the Python API opens a LoRA run as eval and convert do
+    assert (on_own_base - ours).abs().max().item() < 1e-5 and (api - ours).abs().max().item() == 0
     with torch.no_grad():
         plain = build_model(base_config(tmp / "run"), seed=1337)(idx)  # train.seed's initial weights: the base
     d_peft, d_merged = (peft - ours).abs().max().item(), (merged - peft).abs().max().item()
@@ -172,10 +183,10 @@ def test_eval_and_generate_see_base_plus_adapters(exported, capsys, tmp_path):
     assert "(LoRA adapters alone: rank 4" in said and "base the initial weights of seed 1337)" in said
     assert f"(PEFT LORA adapter: r 4, alpha {16 if family == 'gpt2' else 8}, targets" in said and str(base) in said
     texts = []
-    for path in (tmp / "run", tmp / "merge"):
+    for path in (tmp / "run", tmp / "merge", tmp / "peft"):  # the PEFT export over the base written inside it
         assert main(["generate", str(path), "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0"]) == 0
         texts.append(capsys.readouterr().out)
-    assert texts[0] == texts[1] and len(texts[0]) > 4
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) > 4
     if family != "llama":
         return
     # the base from model.init_from, read through zerodp.convert (here its Hugging Face export)
@@ -214,3 +225,93 @@ def test_a_run_from_a_peft_export_starts_where_its_run_ended(exported, tmp_path)
                   "train.eval_every=1", "checkpoint.every=1", "optim.lr=1e-12", "optim.min_lr=1e-12")
     assert abs(again[-1]["val_loss"] - metrics[-1]["val_loss"]) < 1e-6, (again[-1], metrics[-1])
     assert abs(again[0]["loss"] - metrics[0]["loss"]) > 1e-4  # the first run started elsewhere (B = 0)
+
+
+def test_a_lora_run_resumes_only_on_the_base_it_was_trained_on(exported, tmp_path, capsys):
+    """A LoRA run on a base folder (model.init_from): a resume with another model.lora.dropout is accepted;
+    one whose base weights changed says the weights at that path changed; a missing base says it is not
+    there; `zerodp inspect` checks the base and says either. model.init_from at a LoRA run's checkpoint
+    says it holds adapters. Each refusal one line, nothing written."""
+    family, tmp, _, base = exported
+    if family != "llama":
+        return
+    config, *settings = FAMILIES[family]
+    capsys.readouterr()
+    one_line_error(capsys, main(["train", config, *SMALL, *settings, f"model.init_from={tmp / 'run'}",
+                                 f"train.out_dir={tmp_path / 'wrong'}", "--dry-run"]),
+                   rf"^zerodp: error: model\.init_from {tmp / 'run'} is a LoRA run's checkpoint \(its adapters alone, "
+                   rf"not a model\); to go on from its adapters, export them with `zerodp convert {tmp / 'run'} OUT "
+                   r"--to peft` and set model\.lora\.init_from=OUT, or merge them into a model with `zerodp convert "
+                   rf"{tmp / 'run'} OUT --to hf --merge` and set model\.init_from=OUT$")
+    assert not (tmp_path / "wrong").exists()
+    copy = tmp_path / "base"
+    shutil.copytree(base, copy)
+    run = tmp_path / "run"
+    train(run, config, *settings, f"model.init_from={copy}")
+    # dropout is a training setting: the adapters resume under another (docs/checkpoints.md)
+    assert main(["train", config, *SMALL, *settings, f"model.init_from={copy}", f"train.out_dir={run}",
+                 "model.lora.dropout=0.1", "train.max_steps=4", "train.eval_every=4", "checkpoint.every=4"]) == 0
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+    capsys.readouterr()
+    # (--dry-run: the same start checks; a refused launch leaves its process at once, a test's included)
+    resume = ["train", config, *SMALL, *settings, f"model.init_from={copy}", f"train.out_dir={run}",
+              "train.max_steps=5", "--dry-run"]
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    one_line_error(capsys, main([*resume, "model.lora.rank=8", "model.lora.targets=[q_proj]"]),
+                   r"holds a different model than this config \(model\.lora\.rank=4 there, 8 here, "
+                   r"model\.lora\.alpha=8 there, 16 here, model\.lora\.targets=\[q_proj, v_proj, down_proj\] there, "
+                   r"\[q_proj\] here\); rerun with the checkpoint's model settings")
+    weights = copy / "model.safetensors"
+    with safe_open(weights, "pt") as f:
+        metadata = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 1
+    save_file(tensors, tmp_path / "changed.safetensors", metadata=metadata)
+    (tmp_path / "changed.safetensors").replace(weights)  # the same path, other weights
+    one_line_error(capsys, main(resume),
+                   rf"^zerodp: error: {run / 'checkpoints'}/step_00000004 holds LoRA adapters trained on the base "
+                   rf"model {copy} \(model\.init_from\), and the weights at that path changed since \(sha256 \w{{12}} "
+                   r"recorded, \w{12} now\): they would be resumed on weights they were not fitted to; put the "
+                   r"original base back there, or start over with --fresh$")
+    assert main(["inspect", str(run)]) == 1
+    said = capsys.readouterr().out
+    assert f"base:        {copy} (model.init_from): CHANGED" in said, said
+    assert f"integrity:   every file present and intact, but the weights at {copy} changed since" in said, said
+    assert "integrity:   ok" not in said
+    copy.rename(tmp_path / "moved")
+    one_line_error(capsys, main(resume), rf"^zerodp: error: model\.init_from {copy} does not exist: the base model is "
+                                         r"not there; run where it is or copy it to that path")
+    one_line_error(capsys, main([*resume, f"model.hf_config={copy}", "model.n_layer=2"]),
+                   rf"^zerodp: error: the base model {copy} \(model\.init_from and model\.hf_config\) is not here; run "
+                   r"where it is, or copy it to that path$")
+    assert main(["inspect", str(run)]) == 1
+    said = capsys.readouterr().out
+    assert f"base:        {copy} (model.init_from): NOT HERE" in said and "integrity:   ok" not in said, said
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # nothing written
+
+
+def test_a_run_starts_from_a_folder_peft_itself_saved(exported, tmp_path):
+    """`get_peft_model(base, LoraConfig(target_modules="all-linear")).save_pretrained` records the targets
+    as full module names; model.lora.init_from = that folder, with no rank, alpha or targets given, starts
+    a run on the same base (one step at a learning rate of 1e-12) whose model computes PEFT's logits."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    family, _, _, base = exported
+    config, *settings = FAMILIES[family]
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(3)  # init_lora_weights=False: A and B random, so the adapters change the logits
+    get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+                   ).save_pretrained(tmp_path / "theirs")
+    assert "." in json.loads((tmp_path / "theirs" / "adapter_config.json").read_text())["target_modules"][0]
+    plain = [s for s in settings if not s.startswith("model.lora.")]  # rank, alpha, targets: the folder's
+    train(tmp_path / "run", config, *plain, f"model.init_from={base}", f"model.lora.init_from={tmp_path / 'theirs'}",
+          "train.max_steps=1", "train.eval_every=1", "checkpoint.every=1", "optim.lr=1e-12", "optim.min_lr=1e-12")
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                         tmp_path / "theirs").eval()(idx).logits
+        plain_logits = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(idx).logits
+        ours = zerodp.load_model(tmp_path / "run")(idx)
+    assert (ours - peft).abs().max().item() < 1e-5
+    assert (peft - plain_logits).abs().max().item() > 1e-3  # the adapters matter: the test can fail

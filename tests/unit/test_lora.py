@@ -141,7 +141,8 @@ def test_start_check_takes_a_base_without_adapters_and_a_lora_checkpoint_without
     recorded = {"model": load_config(None, TINY).to_dict()["model"]}
     (full / "meta.json").write_text(json.dumps({"format_version": 1, "step": 0, "files": {}, "config": recorded}))
     assert check_model(full, model_cfg, everything, may_lack=list(adapters), free=("lora",)).problem is None
-    assert "model.lora={} there" in check_model(full, model_cfg, everything, may_lack=list(adapters)).problem
+    assert "model.lora not set there (every weight trained), set here" in check_model(
+        full, model_cfg, everything, may_lack=list(adapters)).problem
     # adapters are no base model
     wrong = check_model(tmp_path / "adapters.safetensors", model_cfg, everything, may_lack=list(adapters))
     assert f"{len(shapes)} of this model's parameters are missing there" in wrong.problem

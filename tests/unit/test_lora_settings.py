@@ -40,6 +40,14 @@ def test_model_lora_settings_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"^model\.lora\.rank=0 must be a positive whole number such as 16 \(the "
                                           r"adapters' rank\); for full fine-tuning remove model\.lora$"):
         lora_spec({"rank": 0})
+    with pytest.raises(ConfigError, match=r"^model\.lora\.rank is not set: set it to a positive whole number such as "
+                                          r"16 \(the adapters' rank\), or model\.lora\.init_from to a PEFT folder to "
+                                          r"take it from; for full fine-tuning remove model\.lora$"):
+        lora_spec({"alpha": 8})
+    with pytest.raises(ConfigError, match=r"^model\.lora\.rank is not set and model\.lora\.init_from /nowhere holds no "
+                                          r"readable adapter_config\.json to take it from; give a PEFT adapter folder "
+                                          r"there, or set model\.lora\.rank$"):
+        lora_spec({"init_from": "/nowhere"})
     with pytest.raises(ConfigError, match=r"^unknown key 'ranq' in model\.lora; did you mean 'rank'\?$"):
         lora_spec({"rank": 4, "ranq": 8})
     with pytest.raises(ConfigError, match=r"^model\.lora\.targets: 'qq_proj' names no linear layer of llama's blocks; "
@@ -97,3 +105,35 @@ def test_zerodp_train_says_a_bad_lora_setting_in_one_line(tmp_path, capsys, sett
     args = [*TRAIN, f"train.out_dir={tmp_path / 'run'}", *(s.format(wide=tmp_path / "wide") for s in settings)]
     one_line_error(capsys, main(args), pattern)
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+def test_model_init_from_at_adapters_names_the_adapter_settings(tmp_path, capsys):
+    """model.init_from at a PEFT folder: adapters, not a model; the line names model.lora.init_from and
+    the merge (a LoRA run's checkpoint: tests/distributed/test_lora_export.py)."""
+    peft_folder(tmp_path / "a")
+    where = tmp_path / "a"
+    code = main([*TRAIN, f"train.out_dir={tmp_path / 'run'}", f"model.init_from={where}", "model.lora.rank=4"])
+    one_line_error(capsys, code, rf"^zerodp: error: model\.init_from {where} is a PEFT adapter folder \(adapters, not "
+                                 rf"a model\); to go on from its adapters set model\.lora\.init_from={where} and "
+                                 rf"model\.init_from to their base \(the model they were trained on\), or merge them "
+                                 rf"into a model with `zerodp convert {where} OUT --to hf --merge` and set "
+                                 rf"model\.init_from=OUT$")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_rope_base_starts_a_run_at_another_block_size(tmp_path, capsys):
+    """A llama's weights do not depend on block_size (RoPE): model.init_from of one saved at 16 starts a
+    run at 32, as a Hugging Face folder's does; gpt2's learned positions are a weight of that length."""
+    from safetensors.torch import save_file
+
+    from zerodp.models import build_model
+
+    model = ModelConfig(**LLAMA)
+    base = build_model(model, seed=0)
+    section = {k: v for k, v in LLAMA.items()}
+    save_file({n: p.detach().contiguous() for n, p in base.named_parameters()}, tmp_path / "base.safetensors",
+              metadata={"zerodp.config": json.dumps({"model": section}), "zerodp.layout": "zerodp"})
+    for lora in ([], ["model.lora.rank=4"]):
+        args = [*TRAIN, f"train.out_dir={tmp_path / 'run'}", f"model.init_from={tmp_path / 'base.safetensors'}",
+                "model.block_size=32", *lora]
+        assert main(args) == 0, capsys.readouterr().err

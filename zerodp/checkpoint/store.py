@@ -300,6 +300,8 @@ class ModelCheck:
     """Whether the checkpoint holds AdamW moments for every parameter (else it is weights only)."""
     hf_config: bool = False
     """Whether the checkpoint's model settings came from a Hugging Face config.json beside its weights."""
+    lora: bool = False
+    """Whether the checkpoint is a LoRA run's (its adapters alone, the base left out)."""
 
 
 def check_model(path: str | Path, model_cfg: dict, shapes: dict[str, tuple], may_lack=(), free=()) -> ModelCheck:
@@ -318,9 +320,37 @@ def check_model(path: str | Path, model_cfg: dict, shapes: dict[str, tuple], may
         saved = _effective((source.meta.get("config") or {}).get("model") or {})
         ours = _effective(model_cfg)
         diffs = [f"model.{k}={saved[k]!r} there, {v!r} here" for k, v in ours.items()
-                 if k not in FREE_MODEL_KEYS and k not in free and k in saved and saved[k] != v]
+                 if k not in FREE_MODEL_KEYS and k not in free and k != "lora" and k in saved and saved[k] != v]
+        if "lora" not in free and "lora" in ours and ("lora" in saved or source.meta.get("lora")):
+            diffs += _lora_diffs(source.meta.get("lora") or saved.get("lora"), ours["lora"])
         problem = ", ".join(diffs) if diffs else state.mismatch(shapes, may_lack)
-        return ModelCheck(problem, state.with_optimizer, "hf_config" in source.meta)
+        lora = bool((source.meta.get("lora") or ((source.meta.get("config") or {}).get("model") or {}).get("lora")))
+        return ModelCheck(problem, state.with_optimizer, "hf_config" in source.meta, lora)
+
+
+def _lora_diffs(theirs: dict | None, ours: dict | None) -> list[str]:
+    """How a checkpoint's LoRA settings (meta.json's `lora` record, else its model.lora) differ from the
+    configured model.lora, key by key: rank, alpha and targets shape the adapters and what they compute;
+    dropout (a training setting) and init_from (where a run's adapters started) are free to differ."""
+    from zerodp.errors import ConfigError
+    from zerodp.models.lora_spec import lora_spec
+
+    def spec(section):
+        try:
+            return lora_spec({k: v for k, v in (section or {}).items()
+                              if k in ("rank", "alpha", "targets", "init_from")} or None)
+        except ConfigError:
+            return None
+
+    a, b = spec(theirs), spec(ours)
+    if a is None or b is None:
+        if (a is None) != (b is None):
+            return [f"model.lora {'not set there (every weight trained)' if a is None else 'set there'}, "
+                    f"{'not set here' if b is None else 'set here'}"]
+        return []
+    show = {"rank": lambda s: s.rank, "alpha": lambda s: f"{s.alpha:g}",
+            "targets": lambda s: "[" + ", ".join(s.targets) + "]"}
+    return [f"model.lora.{k}={f(a)} there, {f(b)} here" for k, f in show.items() if f(a) != f(b)]
 
 
 def _effective(model: dict) -> dict:

@@ -4,7 +4,8 @@ until the template's end-of-turn token (or --max-new-tokens), and only the answe
 
 The template: the one the checkpoint records (a run on a `zerodp prepare --chat` folder, or a zerodp
 export of one: zerodp.data.chat.chat_record), else the chat_template of the tokenizer_config.json beside a
-Hugging Face folder (its generation_config.json's eos_token_id, else the template's end of turn, stops).
+Hugging Face folder, or beside the base a PEFT folder names (its generation_config.json's eos_token_id,
+else the template's end of turn, stops).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def chat_template_of(source, tokenizer):
         tpl = compile_template(rec["template"], f"{source.path}'s recorded chat template", rec.get("specials") or {})
         eot = rec.get("end_of_turn_id")
         return tpl, eot if eot is not None else end_of_turn(tpl, tokenizer)[1]
-    path = Path(source.path)
-    for folder in (path, path.parent):
+    from zerodp.convert.lora_source import model_folders
+
+    for folder in model_folders(source):  # beside the checkpoint, or beside a LoRA model's base
         config = folder / "tokenizer_config.json"
         if config.is_file() and "chat_template" in config.read_text(encoding="utf-8"):
             tpl = load_template(folder / "tokenizer.json", None)

@@ -165,8 +165,9 @@ def text_of(source, run_cfg: dict, tokenizer: str | None) -> Text:
         text.tokenizer, text.note = tokenizer_of({"tokenizer": rec})
         if text.tokenizer is not None:
             return text
-    path = Path(source.path)
-    for folder in (path, path.parent):  # an export's, or a checkpoint converted from one (zerodp convert)
+    from zerodp.convert.lora_source import model_folders
+
+    for folder in model_folders(source):  # an export's, a checkpoint converted from one, a LoRA model's base's
         if (folder / "tokenizer.json").is_file():
             text.tokenizer, text.note = _load_tokenizer(folder / "tokenizer.json"), None
             return text

@@ -226,6 +226,10 @@ def apply_hf_config(m: ModelConfig, given: set[str], where: str = "the config") 
     train at, not a property of the weights (zerodp.models.hf.model_config_from_hf). Returns m."""
     from zerodp.models.hf import model_config_from_hf, read_hf_config
 
+    if m.init_from and not Path(m.hf_config).exists() and Path(m.hf_config) in (Path(m.init_from),
+                                                                               Path(m.init_from) / "config.json"):
+        raise ConfigError(f"the base model {m.init_from} (model.init_from and model.hf_config) is not here; run where "
+                          f"it is, or copy it to that path")
     try:
         raw, path = read_hf_config(m.hf_config)
         derived = model_config_from_hf(raw, str(path), m.block_size if "block_size" in given else None)

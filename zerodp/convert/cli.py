@@ -225,11 +225,19 @@ def _convert_lora(args, shard, window, hashing, t0) -> int:
             check_destination(args.dst, "peft", args.overwrite, _read_paths(src))
             dtype = DTYPES[args.dtype] if args.dtype else None
             adapters = {k: t.to(dtype) if dtype else t for k, t in src.adapters.items()}
+            from zerodp.convert.lora_source import BaseModel
+            from zerodp.convert.peft import BASE_FOLDER
+
             base = recorded_lora(src.meta)["base"].get("init_from")
             md = {"zerodp.source": json.dumps(src.describe(), sort_keys=True),
                   "zerodp.config": json.dumps({"model": src.meta["config"]["model"]}, sort_keys=True)}
-            write_peft(adapters, args.dst, src.base.arch, src.spec, base, md, confirm=src.confirm)
+            # a seeded base is in no folder: written inside as a Hugging Face folder, so the export is usable
+            write_peft(adapters, args.dst, src.base.arch, src.spec, base, md, confirm=src.confirm,
+                       base_model=None if base else BaseModel(src))
             what, n = "a PEFT adapter folder", len(adapters)
+            if not base:
+                what += (f" with its base ({src.base.what}) as the Hugging Face folder {BASE_FOLDER}/ inside, which "
+                         f"base_model_name_or_path names")
     _said(src, n, what, args.dst, t0)
     return 0
 

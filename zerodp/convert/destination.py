@@ -36,6 +36,11 @@ def parse_size(text: str, what: str = "--max-shard-size") -> int:
 _EXPORT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|" + re.escape(INDEX))
 HF_CONFIG = "config.json"
 PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")  # zerodp.convert.peft's
+PEFT_BASE = "base"  # zerodp.convert.peft.BASE_FOLDER: a seeded base, written inside as a --to hf export
+
+
+def _is_dir(p: Path) -> bool:
+    return p.is_dir() and not p.is_symlink() and any(p.iterdir())
 
 
 def check_destination(dst: str | Path, to: str, overwrite: bool, inputs=()) -> None:
@@ -56,7 +61,8 @@ def convert_output_kind(folder: Path) -> tuple[str | None, str]:
     output and holds nothing else; else (None, what it is instead)."""
     entries = sorted(folder.iterdir())
     if (folder / PEFT_FILES[0]).is_file():  # a PEFT adapter: ours if its weights' metadata says so
-        foreign = [p.name for p in entries if p.name not in PEFT_FILES or not p.is_file() or p.is_symlink()]
+        foreign = [p.name for p in entries if (p.name not in PEFT_FILES or not p.is_file() or p.is_symlink())
+                   and not (p.name == PEFT_BASE and _is_dir(p) and convert_output_kind(p)[0] == "hf")]
         if foreign:
             return None, f"holds {foreign[0]}, which zerodp convert did not write"
         if "zerodp.source" not in _header_metadata(folder / PEFT_FILES[1]):

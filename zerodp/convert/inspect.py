@@ -48,6 +48,33 @@ def _lora_words(path, src) -> str:
             f"base {base})")
 
 
+def _base_problem(src) -> tuple[str | None, str | None]:
+    """(the `base:` line, what is wrong with the base) of a LoRA run's checkpoint: its base model is there
+    and holds the weights its adapters were trained on (lora_base: the recorded sha256); (None, None)
+    for any other checkpoint."""
+    from pathlib import Path
+
+    from zerodp.convert.lora_base import base_sha256, cache_dir
+    from zerodp.convert.lora_source import recorded_lora
+
+    rec = recorded_lora(src.meta)
+    if rec is None or not rec["base"].get("sha256"):
+        return None, None
+    base, recorded = rec["base"], rec["base"]["sha256"]
+    init_from, seed = base.get("init_from"), int(base.get("seed") or 0)
+    what = f"{init_from} (model.init_from)" if init_from else f"the initial weights of seed {seed}"
+    if init_from and not Path(init_from).exists():
+        problem = f"its base model {init_from} (model.init_from) is not here: the adapters have no model to run on"
+        return f"base:        {what}: NOT HERE", problem
+    found = base_sha256(init_from, (src.meta.get("config") or {}).get("model") or {}, seed, cache_dir())
+    if found != recorded:
+        problem = (f"the weights at {init_from} changed since its adapters were trained on them (sha256 {found[:12]} "
+                   f"there, {recorded[:12]} recorded)" if init_from else
+                   f"its base, {what}, is not the one recorded (sha256 {found[:12]}, {recorded[:12]} recorded)")
+        return f"base:        {what}: CHANGED (sha256 {found[:12]}, {recorded[:12]} recorded)", problem
+    return f"base:        {what}: the weights its adapters were trained on (sha256 {found[:12]})", None
+
+
 def inspect_checkpoint(path) -> tuple[list[str], bool]:
     """The report's lines and whether the checkpoint is intact (opening failures become a report too)."""
     try:
@@ -62,6 +89,7 @@ def inspect_checkpoint(path) -> tuple[list[str], bool]:
         files = src.files()
         size = sum(f.stat().st_size for f in files if f.is_file())
         problem = src.verify(deep=True)
+        base_line, base_problem = _base_problem(src)
         kind = src.format + (f" ({src.layout} layout)" if hasattr(src, "layout") else "")
         if src.meta.get("hf_config"):
             kind += f" (Hugging Face model folder: {_model_line(src)})"
@@ -77,6 +105,13 @@ def inspect_checkpoint(path) -> tuple[list[str], bool]:
             f"tied:        {', '.join(f'{a} -> {s}' for a, s in src.tied().items()) or '-'}",
             f"optimizer:   {'exp_avg, exp_avg_sq, step' if 'exp_avg' in src.kinds() else 'none (weights only)'}",
             f"files:       {len(files)}, {_human(size)}",
-            f"integrity:   {'ok: every file present and intact' if problem is None else 'DAMAGED: ' + problem}",
         ]
-    return lines, problem is None
+        if base_line:
+            lines.append(base_line)
+        if problem is not None:
+            lines.append(f"integrity:   DAMAGED: {problem}")
+        elif base_problem is not None:
+            lines.append(f"integrity:   every file present and intact, but {base_problem}")
+        else:
+            lines.append("integrity:   ok: every file present and intact")
+    return lines, problem is None and base_problem is None

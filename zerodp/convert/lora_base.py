@@ -146,6 +146,13 @@ def check_base(ckpt: Path | str, recorded: dict | None, cfg) -> None:
     theirs, ours = recorded["base"], base_identity(cfg)
     if theirs.get("sha256") == ours["sha256"]:
         return
+    if theirs.get("init_from") and ours["init_from"] and Path(theirs["init_from"]).resolve() == \
+            Path(ours["init_from"]).resolve():
+        raise UserError(f"{ckpt} holds LoRA adapters trained on the base model {theirs['init_from']} "
+                        f"(model.init_from), and the weights at that path changed since (sha256 "
+                        f"{str(theirs.get('sha256'))[:12]} recorded, {ours['sha256'][:12]} now): they would be "
+                        f"resumed on weights they were not fitted to; put the original base back there, or start "
+                        f"over with --fresh")
     fix = (f"set model.init_from to {theirs['init_from']}" if theirs.get("init_from")
            else f"remove model.init_from and set train.seed={theirs.get('seed')}")
     raise UserError(f"{ckpt} holds LoRA adapters trained on another base model ({describe(theirs)} there, "

@@ -2,10 +2,10 @@
 merged into them (W + alpha / r B A), whatever holds the adapters (a LoRA run's checkpoint, which keeps
 the adapters alone, or a PEFT adapter folder) and wherever the base comes from.
 
-    with open_model(path) as source:         # any checkpoint; a LoRA one (or a PEFT folder) with its base
+    with open_model(path) as source:          # any checkpoint; a LoRA one (or a PEFT folder) with its base
         model = zerodp.api.model_from_source(source)
-    with open_lora(ckpt, merged=True) as merged:
-        write_hf(merged, "exports/merged")    # the full model, in Hugging Face's layout
+    with open_model(ckpt, merged=True) as merged:
+        write_hf(merged, "exports/merged")     # the full model, in Hugging Face's layout
 
 The base of a LoRA run is what its checkpoint records (meta.json's `lora.base`, else the run's config):
 `model.init_from`'s weights, read through zerodp.convert (any format), or, without one, the model's
@@ -171,6 +171,41 @@ class LoraSource(CheckpointSource):
         self.base.close()
 
 
+class BaseModel(CheckpointSource):
+    """The base of a LoRA model alone, as a plain model's source: what `zerodp convert RUN --to peft`
+    writes beside the adapters as a Hugging Face folder when the base is a seed's initial weights, which
+    no folder holds. Reads through `lora`, which stays open and is closed by its owner."""
+
+    def __init__(self, lora: LoraSource):
+        self.path, self.format, self._base = lora.path, lora.format, lora.base
+        config = copy.deepcopy(lora.meta.get("config") or {})
+        config["model"] = {k: v for k, v in (config.get("model") or {}).items() if k != "lora"}
+        self.meta = {**{k: v for k, v in lora.meta.items() if k != "lora"}, "config": config}
+
+    def param_names(self) -> list[str]:
+        return list(self._base.shapes)
+
+    def info(self, name: str) -> TensorInfo:
+        return TensorInfo(tuple(self._base.shapes[name]), torch.float32)
+
+    def get(self, name: str, kind: str = "param") -> torch.Tensor:
+        if kind != "param":
+            raise KeyError(f"the base of {self.path} has no {kind} for {name}: weights only")
+        return self._base.get(name)
+
+    def has(self, name: str, kind: str) -> bool:
+        return kind == "param"
+
+    def files(self) -> list[Path]:
+        return self._base.files()
+
+    def verify(self, deep: bool = True) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
 class _Folder:
     """A PEFT folder as `parts` names it: the folder and its files."""
 
@@ -241,6 +276,18 @@ def peft_model(folder: str | Path, merged: bool) -> LoraSource:
     model = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k != "lora"}
     base = _Base(model_cfg, str(base_path), 0)
     return LoraSource(folder, {**meta, "config": {"model": model}}, model, spec, adapters, base, merged)
+
+
+def model_folders(source: CheckpointSource) -> list[Path]:
+    """Where the tokenizer and chat template of an open checkpoint's model may lie: beside the checkpoint
+    (an export's, or a checkpoint converted from one), then, for a LoRA model, beside its base (the
+    folder a PEFT adapter's base_model_name_or_path or a LoRA run's model.init_from names)."""
+    path = Path(source.path)
+    out = [path, path.parent]
+    if isinstance(source, LoraSource) and source.base.source is not None:
+        where = Path(source.base.source.path)
+        out += [where] if where.is_dir() else [where.parent]
+    return out
 
 
 @contextlib.contextmanager

@@ -23,16 +23,21 @@ from pathlib import Path
 
 from zerodp.errors import ConfigError
 from zerodp.models.hf import TRANSPOSE, from_hf, to_hf
-from zerodp.models.lora_spec import ALL_LINEAR, LoraSpec, adapted_modules, adapter_shapes, linear_modules
+from zerodp.models.lora_spec import ALL_LINEAR, LoraSpec, adapted_modules, adapter_shapes, is_pattern, linear_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PICKLED = "adapter_model.bin"
+BASE_FOLDER = "base"  # zerodp.convert.destination.PEFT_BASE
+"""Where `zerodp convert RUN --to peft` writes a base no folder holds (a seed's initial weights)."""
 PREFIX = "base_model.model."
 """PeftModel's prefix on the wrapped model's names, as its saved adapters carry it."""
 # Settings under which PEFT computes something else than W x + (alpha / r) B A x: refused on import.
 _UNSUPPORTED = {"use_rslora": False, "use_dora": False, "bias": "none", "modules_to_save": None,
                 "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}}
+# Refused on import too, but not written (older PEFT versions do not know them).
+_UNSUPPORTED_READ = {"exclude_modules": None, "target_parameters": None, "lora_bias": False,
+                     "trainable_token_indices": None, "layer_replication": None}
 
 
 def is_peft_folder(path: str | Path) -> bool:
@@ -59,12 +64,18 @@ def zerodp_name(family: str, key: str) -> str | None:
     return f"{hit[0].removesuffix('.weight')}.lora_{tail}" if hit else None
 
 
-def peft_targets(arch, spec: LoraSpec) -> list[str]:
-    """target_modules for adapter_config.json: the spec's targets, `all-linear` spelled out as the
-    blocks' linear layers' names (PEFT's own all-linear would depend on its version's rules)."""
+def peft_targets(arch, spec: LoraSpec) -> list[str] | str:
+    """target_modules for adapter_config.json: the spec's targets (PEFT matches them as zerodp does),
+    `all-linear` spelled out as the blocks' linear layers' names (PEFT's own all-linear would depend on its
+    version's rules), one pattern as PEFT's pattern string, and names beside patterns (which PEFT's list
+    cannot hold) as the adapted modules' full names."""
     if ALL_LINEAR in spec.targets:
         return sorted({m.rpartition(".")[2] for m in linear_modules(arch)})
-    return list(spec.targets)
+    if not any(is_pattern(t) for t in spec.targets):
+        return list(spec.targets)
+    if len(spec.targets) == 1:
+        return spec.targets[0]
+    return [_hf_module(arch, m) for m in adapted_modules(arch, spec)]
 
 
 def adapter_config(arch, spec: LoraSpec, base: str | None) -> dict:
@@ -78,25 +89,34 @@ def adapter_config(arch, spec: LoraSpec, base: str | None) -> dict:
 
 
 def write_peft(adapters: dict, dst: str | Path, arch, spec: LoraSpec, base: str | None, metadata: dict,
-               confirm=lambda: None) -> list[Path]:
+               confirm=lambda: None, base_model=None) -> list[Path]:
     """Write folder `dst` (checked by zerodp.convert.destination.check_destination first) as a PEFT
     adapter: adapter_config.json and adapter_model.safetensors of `adapters` ({zerodp name: tensor}, in
     their dtype) under PEFT's keys, with `metadata` in the file's header. Written into a hidden sibling
     and renamed into place (zerodp.checkpoint.safe_output.staged) only after `confirm()` (the source's
-    integrity check) has passed."""
+    integrity check) has passed.
+
+    `base_model` (a CheckpointSource of the base model, when no folder holds it: a seed's initial weights)
+    is written inside as the Hugging Face folder `dst/base`, which base_model_name_or_path then names."""
     from zerodp.checkpoint.safe_output import staged
     from zerodp.convert.source import TensorInfo, write_safetensors_file
 
     assert set(adapters) == set(adapter_shapes(arch, spec)), "the adapters are not the spec's"
     keys = {peft_key(arch.family, n)[0]: n for n in sorted(adapters)}
     infos = {k: TensorInfo(tuple(adapters[n].shape), adapters[n].dtype) for k, n in keys.items()}
+    if base_model is not None:
+        base = str(Path(dst).resolve() / BASE_FOLDER)
     config = adapter_config(arch, spec, base)
     with staged(dst) as out:
+        if base_model is not None:
+            from zerodp.convert.writers import write_hf
+
+            write_hf(base_model, out / BASE_FOLDER, progress=False)
         (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         write_safetensors_file(out / ADAPTER_WEIGHTS, list(keys), infos, lambda k: adapters[keys[k]].contiguous(),
                                {"format": "pt", "zerodp.layout": "peft", **metadata})
         confirm()
-    return [Path(dst) / ADAPTER_CONFIG, Path(dst) / ADAPTER_WEIGHTS]
+    return [Path(dst) / ADAPTER_CONFIG, Path(dst) / ADAPTER_WEIGHTS] + ([Path(dst) / BASE_FOLDER] if base_model else [])
 
 
 # -- reading -----------------------------------------------------------------------------------------
@@ -124,7 +144,7 @@ def read_config(folder: str | Path, where: str) -> dict:
         kind = config.get("peft_type") if isinstance(config, dict) else None
         raise ConfigError(f"{where} {folder} is a {kind or 'non-LoRA'} adapter; zerodp trains and reads LoRA adapters "
                           f"(peft_type LORA) only")
-    for key in _UNSUPPORTED:
+    for key in (*_UNSUPPORTED, *_UNSUPPORTED_READ):
         value = config.get(key)
         if value not in (None, "none") if key == "bias" else value not in (None, False, {}, []):
             raise ConfigError(f"{where} {folder} sets {key}={config[key]!r}, which zerodp's LoRA does not compute "
@@ -150,16 +170,27 @@ def _header(path: Path) -> dict:
     return {k: (v.get("dtype"), tuple(v.get("shape") or ())) for k, v in header.items() if isinstance(v, dict)}
 
 
+def _hf_module(arch, module: str) -> str:
+    """The Hugging Face name of zerodp module `module` (PEFT's key for it, without prefix and tail)."""
+    return peft_key(arch.family, f"{module}.lora_A.weight")[0].removeprefix(PREFIX).removesuffix(".lora_A.weight")
+
+
 def _modules_of_targets(arch, targets) -> set[str]:
-    """The zerodp modules PEFT adapts for adapter_config.json's `target_modules` (a list: names the module's
-    path ends with; a string: all-linear, or a pattern the Hugging Face module name matches whole)."""
-    every = adapted_modules(arch, LoraSpec(1, 1.0, 0.0, (ALL_LINEAR,), None))
-    if isinstance(targets, str) and targets != ALL_LINEAR:
-        hf = {m: peft_key(arch.family, f"{m}.lora_A.weight")[0].removeprefix(PREFIX).removesuffix(".lora_A.weight")
-              for m in every}
-        return {m for m, h in hf.items() if re.fullmatch(targets, h)}
-    targets = (targets,) if isinstance(targets, str) else tuple(targets or ())
-    return set(adapted_modules(arch, LoraSpec(1, 1.0, 0.0, targets, None))) if targets else set()
+    """The zerodp modules PEFT adapts for adapter_config.json's `target_modules`, by PEFT's own rule
+    (peft.tuners.tuners_utils.check_target_module_exists) over the Hugging Face full names: a string is
+    all-linear or a pattern the full name matches whole; a list, names the full name equals or ends with
+    after a dot."""
+    every = {m: _hf_module(arch, m) for m in adapted_modules(arch, LoraSpec(1, 1.0, 0.0, (ALL_LINEAR,), None))}
+    if isinstance(targets, str):
+        if targets.lower() == ALL_LINEAR:
+            return set(every)
+        try:
+            return {m for m, h in every.items() if re.fullmatch(targets, h)}
+        except re.error as e:
+            raise ConfigError(f"{ADAPTER_CONFIG}: target_modules {targets!r} is not a valid regular expression "
+                              f"({e}); re-save the adapter") from None
+    targets = [t for t in targets or () if isinstance(t, str)]
+    return {m for m, h in every.items() if h in targets or any(h.endswith(f".{t}") for t in targets)}
 
 
 def _short(modules: set[str]) -> str:
@@ -223,9 +254,8 @@ def spec_of_config(config: dict) -> LoraSpec:
     from zerodp.models.lora_spec import lora_spec
 
     targets = config.get("target_modules")
-    if isinstance(targets, str) and targets != ALL_LINEAR:
-        raise ConfigError(f"{ADAPTER_CONFIG}: target_modules {targets!r} is a pattern; zerodp reads adapters whose "
-                          f"target_modules is a list of module names (or {ALL_LINEAR!r})")
+    if isinstance(targets, str) and targets.lower() == ALL_LINEAR:  # PEFT's spelling is case-blind
+        targets = ALL_LINEAR
     targets = [targets] if isinstance(targets, str) else list(targets or [])
     return lora_spec({"rank": config.get("r"), "alpha": config.get("lora_alpha", 8), "targets": targets,
                       "dropout": float(config.get("lora_dropout") or 0.0)}, f"{ADAPTER_CONFIG}")

@@ -78,8 +78,8 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
     out_dir = Path(cfg.train.out_dir)
     plan = StartPlan()
     if cfg.model.init_from and not os.path.exists(cfg.model.init_from):  # wrong whether or not it is used
-        raise UserError(f"model.init_from {cfg.model.init_from} does not exist; pass a checkpoint folder or "
-                        f".safetensors file, or remove the key")
+        raise UserError(f"model.init_from {cfg.model.init_from} does not exist: the base model is not there; run where "
+                        f"it is or copy it to that path, or pass another checkpoint folder or .safetensors file")
     from zerodp.convert.peft import check_init_from
 
     check_init_from(cfg.model)  # model.lora.init_from: a PEFT folder of this model's adapters (headers only)
@@ -146,8 +146,16 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
             plan.why += f"; the base model from {plan.init_from} (model.init_from)"
     elif cfg.model.init_from:
         path = cfg.model.init_from
-        # a base model's weights lack the adapters: they start from their initial values (or model.lora.init_from)
-        check = checkpoint.check_model(path, model_cfg, shapes, may_lack=list(adapters), free=("lora",))
+        _refuse_adapters(path)
+        # a base model's weights lack the adapters: they start from their initial values (or model.lora.init_from);
+        # under RoPE the context length is no weight: a base may be taken at another block_size
+        free = ("lora",) + (() if arch_of(cfg.model).spec.LEARNED_POSITIONS else ("block_size",))
+        check = checkpoint.check_model(path, model_cfg, shapes, may_lack=list(adapters), free=free)
+        if check.problem and check.lora:
+            raise UserError(f"model.init_from {path} is a LoRA run's checkpoint (its adapters alone, not a model); to "
+                            f"go on from its adapters, export them with `zerodp convert {path} OUT --to peft` and set "
+                            f"model.lora.init_from=OUT, or merge them into a model with `zerodp convert {path} OUT "
+                            f"--to hf --merge` and set model.init_from=OUT")
         if check.problem:
             fix = (f"set model.hf_config: {path} (its config.json gives every dimension)" if check.hf_config
                    else "set the model section to the checkpoint's dimensions")
@@ -156,6 +164,21 @@ def plan_start(cfg: Config, fresh: bool, set_aside_damaged: bool, rank: int = 0,
         plan.init_from = path
         plan.why += f"; weights from {path} (model.init_from), a fresh AdamW"
     return plan
+
+
+def _refuse_adapters(path: str) -> None:
+    """model.init_from names weights to start from: a PEFT adapter folder is adapters, not a model."""
+    from zerodp.convert.peft import is_peft_folder
+
+    if is_peft_folder(path):
+        try:
+            base = json.loads((Path(path) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            base = None
+        raise UserError(f"model.init_from {path} is a PEFT adapter folder (adapters, not a model); to go on from "
+                        f"its adapters set model.lora.init_from={path} and model.init_from to their base "
+                        f"({base or 'the model they were trained on'}), or merge them into a model with "
+                        f"`zerodp convert {path} OUT --to hf --merge` and set model.init_from=OUT")
 
 
 def chosen_checkpoint(out_dir: Path, text: str) -> str:

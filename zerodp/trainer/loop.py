@@ -36,6 +36,7 @@ from zerodp.telemetry.comm import CommMeter, PlanCheck
 from zerodp.telemetry.memory import Peaks
 from zerodp.telemetry.step_metrics import Pending, fetch_interval
 from zerodp.trainer.guards import Guards
+from zerodp.trainer.objective import make_objective
 from zerodp.trainer.preflight import (
     Ready,
     Together,
@@ -122,6 +123,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False, from_c
     guards = Guards(cfg, env, strategy.gathers_in_forward, start)
     steps = Steps(cfg, env, strategy, checkpointer, records, guards)
     steps.config_from = ready.start.carried.config_from
+    steps.objective = make_objective(cfg, env, ready.grad_accum)  # None: SFT, the model's own loss
     try:
         with guards.watching(start, checkpointer, records.say):
             steps.run(ready.train_data, ready.val_data, start)
@@ -243,6 +245,8 @@ class Steps:
         self.meter = CommMeter(cfg.train.measure_comm)  # counts the collectives of each step
         self.replicas = ReplicaCheck(cfg, env, strategy)  # train.check_replicas_every
         self.config_from = 0
+        self.objective = None
+        """train.objective=dpo's loss and metrics (zerodp.trainer.objective); None: the model's loss."""
         """The step the run's config took effect at (zerodp.trainer.resume), for its checkpoints."""
         self.held: dict[int, int] = {}
         """What rank 0 holds after the first step (strategy.state_bytes)."""
@@ -268,7 +272,8 @@ class Steps:
             timer = Stopwatch(env.device)
             self.replicas.arm(step + 1, self.checkpointer.saves_after(step + 1))
             with self.meter.step(), timer:
-                local_loss, grad_norm, forward, local_sq = train_step(self.strategy, micro_batches, lr, env.device)
+                local_loss, grad_norm, forward, local_sq = train_step(self.strategy, micro_batches, lr, env.device,
+                                                                      self.objective)
             done = self.done = step + 1
             # Nothing below waits for the device until the sync point: the figures stay where they are.
             pending.append(Pending(done, lr, local_loss, grad_norm, timer, forward, t0 - t_end,
@@ -324,6 +329,9 @@ class Steps:
             if found:
                 record["stragglers"] = found
             new.append(record)
+        if self.objective is not None:  # one all-reduce of the interval's preference metrics
+            for record, found in zip(new, self.objective.metrics([p.step for p in pending], self.env.device)):
+                record.update(found)
         if evaluate_now:
             t_eval = time.perf_counter()
             new[-1].update(evaluate(self.strategy, val_data, self.cfg, self.env))
@@ -376,7 +384,7 @@ class Steps:
             f"{k} {v / 2**20:.1f} MiB" if v or k != "grads" else "grads freed between steps"
             for k, v in self.held.items()))
 
-def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
+def train_step(strategy, micro_batches: list, lr: float, device: torch.device, objective=None):
     """One optimizer step over this rank's micro batches, without waiting for the device.
 
     Returns (mean local loss, a 0-d tensor; global grad norm, a tensor or the float DeepSpeed hands
@@ -384,7 +392,8 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
     gradient norm squared before the reduction, a 0-d tensor, or None where the strategy does not
     measure it: the small batch of the gradient noise scale). Forward time is the straggler
     signal: under ddp/zero1/zero2 it holds no communication, so a slow rank shows there, while the fast
-    ranks' waiting hides inside the backward's gradient reduction."""
+    ranks' waiting hides inside the backward's gradient reduction. `objective` (zerodp.trainer.objective)
+    takes the model's place where train.objective is not sft."""
     loss_sum = torch.zeros((), device=device)
     forward = Stopwatch(device)
     weights = getattr(micro_batches, "weights", None)  # loss masks: the global batch's target mean
@@ -394,7 +403,8 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
         keyed = {"dropout_keys": keys[i].to(device, non_blocking=True)} if keys is not None else {}
         with strategy.micro_step(is_last=i == len(micro_batches) - 1):
             with strategy.autocast(), forward:
-                loss = strategy.model(*batch, **keyed)
+                loss = (strategy.model(*batch, **keyed) if objective is None
+                        else objective(strategy.model, batch, micro_batches, **keyed))
                 if weights is not None:
                     loss = loss * weights[i]  # a Python float: no host sync
             strategy.backward(loss)

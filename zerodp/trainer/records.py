@@ -122,7 +122,9 @@ class Records:
             rate = statistics.median(r["tokens_per_s"] for r in kept)
             mfu = f", MFU {statistics.median(r['mfu'] for r in kept):.1%}" if "mfu" in record else ""
             epoch = f", epoch {record['epoch']:.2f}" if "epoch" in record else ""
-            log(env, f"step {step}/{cfg.train.max_steps}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+            rewards = "".join(f", {k} {record[k]:.4f}" for k in ("rewards/margins", "rewards/accuracies")
+                              if k in record)  # train.objective=dpo
+            log(env, f"step {step}/{cfg.train.max_steps}: loss {record['loss']:.4f}{rewards}, lr {record['lr']:.2e}, "
                      f"grad_norm {record['grad_norm']:.3f}{epoch}, {rate:,.0f} tokens/s{mfu} (median of {what})")
         if "val_loss" in record:
             each = ", ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in record.items()

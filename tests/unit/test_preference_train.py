@@ -1,0 +1,132 @@
+"""train.objective=dpo end to end on one process: the first step's loss is ln 2 (the live reference is the
+starting policy), the metrics are TRL's names in metrics.jsonl; pairs stay whole and adjacent in every
+micro batch, and the step's loss is the global pair mean at any split; adapters-off is exactly the base;
+bad DPO settings and the wrong data for the objective are one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import TINY
+from tests.support.cli_checks import one_line_error
+from tests.support.sampler_workers import write_prepared
+from zerodp.cli.commands import main
+from zerodp.config import ConfigError, load_config
+from zerodp.data.batches import TokenBatches, load_tokens
+from zerodp.models import build_model
+from zerodp.models.preference import STATS, batch_loss, completion_logps
+from zerodp.trainer.objective import Preference, adapters_off
+
+G = 12  # rows: 6 pairs
+
+
+def preference_folder(path, pairs=40, seed=0):
+    """A prepared folder of `pairs` pairs (documents 2i, 2i+1) whose completions are their last tokens."""
+    docs = np.random.default_rng(seed).integers(6, 30, size=2 * pairs).tolist()
+    folder = write_prepared(path, docs, docs[:8], targets=[0.5, 0.3, 0.8])
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["preference"] = {"rows": pairs + 4}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return preference_folder(tmp_path_factory.mktemp("pref") / "data")
+
+
+def dpo(folder, *more):
+    return TINY + [f"data.source={folder}", "data.packing=false", "train.objective=dpo", "strategy.name=single", *more]
+
+
+def test_the_wrong_data_for_the_objective_is_one_line_exit_2_and_nothing_written(folder, tmp_path, capsys):
+    # before any test here starts a process group: an error of a run in one leaves the process (os._exit)
+    sft = write_prepared(tmp_path / "sft", [20] * 30, [20] * 4, targets=[0.5])
+    out = tmp_path / "run"
+    code = main(["train", "configs/tiny.yaml", *dpo(sft, f"train.out_dir={out}", "strategy.name=single")])
+    one_line_error(capsys, code, r"train.objective=dpo trains on preference pairs, and .*sft holds none; run zerodp "
+                                 r"prepare PAIRS.jsonl --preference")
+    code = main(["train", "configs/tiny.yaml", *TINY, f"data.source={folder}", f"train.out_dir={out}",
+                 "strategy.name=single"])
+    one_line_error(capsys, code, r"holds preference pairs \(zerodp prepare --preference\): train them with "
+                                 r"train.objective=dpo")
+    assert not out.exists()
+
+
+def test_a_dpo_run_starts_at_ln2_and_logs_trls_metrics(folder, tmp_path):
+    from zerodp.trainer.loop import train
+
+    cfg = load_config(None, dpo(folder, "strategy.name=single", "train.max_steps=3", f"train.out_dir={tmp_path}",
+                                "optim.lr=1e-3", "dpo.beta=0.5"))
+    summary = train(cfg, fresh=True)
+    assert summary["losses"][1] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(k in r for r in records for k in STATS)
+    first, last = records[0], records[-1]
+    assert first["rewards/margins"] == 0.0 and first["logps/chosen"] < 0
+    assert last["rewards/chosen"] != 0.0 and last["loss"] != pytest.approx(math.log(2), abs=1e-4)
+    assert "rewards/chosen" not in (tmp_path / "config.yaml").read_text()  # the metrics, not the config
+    assert not any(p.name.startswith("reference") for p in (tmp_path / "checkpoints").rglob("*"))
+
+
+@pytest.mark.parametrize("world,micro", [(1, 12), (1, 2), (2, 2), (2, 6), (3, 4), (3, 2)])
+def test_pairs_stay_whole_and_the_loss_is_the_global_pair_mean_at_any_split(folder, world, micro):
+    cfg = load_config(None, dpo(folder, f"train.global_batch_size={G}", f"train.micro_batch_size={micro}",
+                                "dpo.rpo_alpha=0.3"))
+    data = TokenBatches(load_tokens(cfg), cfg, "train")
+    policy, reference = build_model(cfg.model, seed=1), build_model(cfg.model, seed=2)
+    objective = object.__new__(Preference)
+    objective.cfg, objective.mode, objective.sums = cfg, "live", {}
+    objective.reference = type("Held", (), {"model": reference})()
+    for step in (0, 4):
+        x, y = data.rows(data.offsets(step, G))
+        samples = data.locate(step, G).sample
+        assert (samples[0::2] % 2 == 0).all() and (samples[1::2] == samples[0::2] + 1).all()  # (chosen, rejected)
+        with torch.no_grad():
+            lp, n = completion_logps(policy(x), y)
+            lr, _ = completion_logps(reference(x), y)
+            whole, stats = batch_loss(cfg.dpo, lp, lr, n, G // 2, int(n[0::2].sum()))
+            split = 0.0
+            for rank in range(world):
+                batches = data.rank_micro_batches(step, G, micro, rank, world)
+                assert batches.parts == G // micro and batches.pairs == G // 2
+                for batch in batches:
+                    split += objective(policy, batch, batches).item() / batches.parts  # the strategies' mean
+        assert split == pytest.approx(whole.item(), rel=1e-5, abs=1e-6)
+        assert objective.sums.pop(step + 1) == pytest.approx(stats, rel=1e-5, abs=1e-5)
+
+
+def test_adapters_off_is_exactly_the_base(folder):
+    cfg = load_config(None, dpo(folder, "model.lora.rank=4"))
+    model = build_model(cfg.model, seed=1)
+    base = build_model(load_config(None, dpo(folder)).model, seed=1)
+    base.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" not in k})
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p.data)  # adapters that change the output
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert (model(x) - base(x)).abs().max() > 1e-3
+        with adapters_off(model):
+            assert torch.equal(model(x), base(x))
+        assert (model(x) - base(x)).abs().max() > 1e-3  # restored
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("dpo.beta=0", r"dpo.beta=0.0 must be > 0"),
+    ("dpo.loss=hinge", r"dpo.loss"),
+    ("dpo.label_smoothing=0.5", r"dpo.label_smoothing=0.5 must be in \[0, 0.5\)"),
+    ("dpo.simpo_gamma=1", r"dpo.simpo_gamma=1.0 applies to dpo.loss=simpo"),
+    ("train.micro_batch_size=3", r"train.micro_batch_size=3 would split a preference pair"),
+    ("dpo.reference=precomputed", r"dpo.reference=precomputed is not built yet"),
+    ("strategy.name=zero3", r"dpo.reference=live holds its frozen copy under single and ddp so far"),
+    ("data.packing=true", r"train.objective=dpo takes one sequence a row"),
+])
+def test_bad_dpo_settings_are_refused(folder, override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, dpo(folder, "train.global_batch_size=12", override))

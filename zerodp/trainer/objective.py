@@ -1,0 +1,109 @@
+"""train.objective=dpo: what a micro batch of preference pairs costs (`Preference`), the reference model it
+is measured against, and the step's metrics under TRL's names. The loop calls it where an SFT run calls the
+model (zerodp.trainer.loop.train_step); the formulas are zerodp.models.preference's.
+
+A micro batch holds whole pairs (rows 2i and 2i+1: chosen, rejected; zerodp.data.samples.PairIndex, and
+config validation keeps train.micro_batch_size even). Its loss is its pairs' sum over the global batch's
+pair count, times the step's micro batch count P (world x accumulation), which the strategies' mean over
+the P micro batches (1/accumulation in the backward, the mean over ranks in the gradient reduction) undoes:
+the step minimises the mean over the global batch's pairs at every world size and split.
+
+The reference (dpo.reference):
+- live: a frozen copy of the starting weights (model.init_from, or the seed's) set up by a second
+  instance of the run's strategy, in eval mode and under no_grad, never stepped and never saved; a resumed
+  run rebuilds it from the same weights. Config validation allows it under single and ddp (a copy that
+  zero3/fsdp would shard as the policy is not built yet).
+- adapters-off (model.lora): the policy itself with every adapter's scaling set to 0 for the reference's
+  forward: exactly the base (base + 0 * B A), no copy.
+- none (simpo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from zerodp.config.validation import dpo_reference
+from zerodp.models.preference import STATS, batch_loss, completion_logps
+
+
+def make_objective(cfg, env, grad_accum: int):
+    """None for train.objective=sft (the loop calls the model), else the `Preference` objective."""
+    if cfg.train.objective != "dpo":
+        return None
+    return Preference(cfg, env, grad_accum)
+
+
+class Preference:
+    """objective(model, batch, micro_batches, **keyed) -> this micro batch's loss (0-d); the sums of STATS
+    of each step's pairs are kept on this rank until `metrics` reduces them."""
+
+    def __init__(self, cfg, env, grad_accum: int):
+        self.cfg, self.env, self.mode = cfg, env, dpo_reference(cfg)
+        self.reference = _frozen_copy(cfg, env, grad_accum) if self.mode == "live" else None
+        self.sums: dict[int, torch.Tensor] = {}
+        """step done -> the sums of STATS (6,) over this rank's pairs of that step."""
+
+    def __call__(self, model, batch: tuple, micro_batches, **keyed) -> torch.Tensor:
+        x, y, rest = batch[0], batch[1], batch[2:]
+        policy, tokens = completion_logps(model(x, None, *rest, **keyed), y)   # (B,), (B,)
+        reference = self.reference_logps(model, batch) if self.mode else None
+        loss, stats = batch_loss(self.cfg.dpo, policy, reference, tokens, micro_batches.pairs,
+                                 micro_batches.chosen_tokens)
+        done = micro_batches.step + 1
+        self.sums[done] = self.sums.get(done, 0) + stats
+        return loss * micro_batches.parts
+
+    @torch.no_grad()
+    def reference_logps(self, model, batch: tuple) -> torch.Tensor:
+        """The rows' summed completion log-probs (B,) under the reference, in eval mode (no dropout)."""
+        x, y, rest = batch[0], batch[1], batch[2:]
+        net = self.reference.model if self.mode == "live" else model
+        was = net.training
+        net.eval()
+        try:
+            with adapters_off(net) if self.mode == "adapters-off" else contextlib.nullcontext():
+                return completion_logps(net(x, None, *rest), y)[0]
+        finally:
+            net.train(was)
+
+    def metrics(self, steps: list[int], device) -> list[dict[str, float]]:
+        """Collective: each of `steps`' STATS, the mean over its global batch's pairs (one all-reduce)."""
+        sums = torch.stack([torch.as_tensor(self.sums.pop(s, torch.zeros(len(STATS))), dtype=torch.float32,
+                                            device=device) for s in steps])   # (steps, 6)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        pairs = self.cfg.train.global_batch_size // 2
+        return [{k: round(v / pairs, 6) for k, v in zip(STATS, row)} for row in sums.tolist()]
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Every LoRA adapter of `model` scaled by 0 (its forward is then exactly the base's), restored after."""
+    saved = [(m, m.scaling) for m in model.modules() if hasattr(m, "lora_B") and hasattr(m, "scaling")]
+    try:
+        for m, _ in saved:
+            m.scaling = 0.0
+        yield
+    finally:
+        for m, scaling in saved:
+            m.scaling = scaling
+
+
+def _frozen_copy(cfg, env, grad_accum: int):
+    """A second instance of the run's strategy holding the starting weights (model.init_from, or the seed's,
+    as zerodp.trainer.loop.set_up starts the policy): the live reference, never stepped."""
+    from zerodp.checkpoint import store
+    from zerodp.models import build_model
+    from zerodp.strategies import RunContext, make_strategy
+
+    torch.manual_seed(cfg.train.seed)
+    reference = make_strategy(cfg.strategy.name)
+    reference.setup(build_model(cfg.model, device="meta"), RunContext(
+        cfg, env.rank, env.world_size, env.local_rank, env.device, grad_accum, env.local_world_size))
+    if cfg.model.init_from:
+        store.init_from(reference, cfg.model.init_from)
+    reference.model.eval()
+    return reference

@@ -1,8 +1,10 @@
 """train.objective=dpo under ddp at world 2 follows the single-process run on the same global batches of
 pairs (global batch 12 rows = 6 pairs, micro batches of 2: accumulation 6 at world 1, 3 at world 2): each
 loss type (sigmoid with label smoothing and the RPO term, ipo, simpo) with the live frozen reference or
-none, and LoRA with the adapters switched off as the reference. Per-step losses, the final weights and
-the logged rewards agree within test_equivalence.py's 1e-5. One launch per world size runs every training."""
+none, and LoRA with the adapters switched off as the reference; zero3 and fsdp, whose live reference is a
+second instance of the strategy (sharded as the policy), for sigmoid and LoRA. Per-step losses, the final
+weights and the logged rewards agree within test_equivalence.py's 1e-5. One launch per world size runs
+every training."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ CASES = {"sigmoid": ["dpo.beta=0.5", "dpo.label_smoothing=0.1", "dpo.rpo_alpha=0
          "ipo": ["dpo.loss=ipo", "dpo.beta=0.5"],
          "simpo": ["dpo.loss=simpo", "dpo.beta=2.0", "dpo.simpo_gamma=0.3"],
          "lora": ["model.lora.rank=4", "model.lora.alpha=8", "dpo.beta=0.5"]}
-STRATEGY = {1: "single", 2: "ddp"}
+STRATEGIES = {1: ["single"], 2: ["ddp", "zero3", "fsdp"]}
+SHARDED = ("sigmoid", "lora")  # the cases zero3 and fsdp run
 
 
 @pytest.fixture(scope="module")
@@ -33,21 +36,22 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     data = preference_folder(root / "pairs")
     results = {}
-    for world, name in STRATEGY.items():
-        plan = [{"overrides": BASE + extra + [f"data.source={data}", f"strategy.name={name}",
-                                              f"train.out_dir={root / f'{case}-{world}'}"]}
-                for case, extra in CASES.items()]
+    for world, names in STRATEGIES.items():
+        keys = [(case, name) for name in names for case in CASES if name in ("single", "ddp") or case in SHARDED]
+        plan = [{"overrides": BASE + CASES[case] + [f"data.source={data}", f"strategy.name={name}",
+                                                    f"train.out_dir={root / f'{case}-{name}'}"]} for case, name in keys]
         got = run_distributed("tests.support.workers:train_runs", world, {"runs": plan})[0]
-        for case, result in zip(CASES, got):
-            metrics = [json.loads(x) for x in (root / f"{case}-{world}" / "metrics.jsonl").read_text().splitlines()]
-            results[(case, world)] = {**result, "metrics": metrics}
+        for (case, name), result in zip(keys, got):
+            metrics = [json.loads(x) for x in (root / f"{case}-{name}" / "metrics.jsonl").read_text().splitlines()]
+            results[(case, name)] = {**result, "metrics": metrics}
     return results
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_ddp_at_world_2_follows_one_process(runs, case):
-    one, two = runs[(case, 1)], runs[(case, 2)]
-    assert len(one["losses"]) == STEPS and two["strategy"] == "ddp"
+@pytest.mark.parametrize("case,name", [(c, "ddp") for c in CASES] + [(c, n) for c in SHARDED
+                                                                      for n in ("zero3", "fsdp")])
+def test_every_strategy_at_world_2_follows_one_process(runs, case, name):
+    one, two = runs[(case, "single")], runs[(case, name)]
+    assert len(one["losses"]) == STEPS and two["strategy"] == name
     # the reference is the starting policy: every log-ratio is 0 at the first step
     first = {"ipo": (1 / (2 * 0.5)) ** 2, "lora": math.log(2)}
     if case in first:
@@ -58,7 +62,7 @@ def test_ddp_at_world_2_follows_one_process(runs, case):
     loss_diff = max(abs(a - b) for a, b in zip(one["losses"], two["losses"]))
     trained = [n for n in one["weights"] if case != "lora" or is_adapter(n)]
     weight_diff = max((one["weights"][n] - two["weights"][n]).abs().max().item() for n in trained)
-    print(f"{case}: ddp world 2 vs single: |loss diff| {loss_diff:.1e}, |weight diff| {weight_diff:.1e}")
+    print(f"{case}: {name} world 2 vs single: |loss diff| {loss_diff:.1e}, |weight diff| {weight_diff:.1e}")
     assert loss_diff < TOLERANCE and weight_diff < TOLERANCE, (case, loss_diff, weight_diff)
     for a, b in zip(one["metrics"], two["metrics"]):
         for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen"):

@@ -124,7 +124,7 @@ def test_adapters_off_is_exactly_the_base(folder):
     ("dpo.simpo_gamma=1", r"dpo.simpo_gamma=1.0 applies to dpo.loss=simpo"),
     ("train.micro_batch_size=3", r"train.micro_batch_size=3 would split a preference pair"),
     ("dpo.reference=precomputed", r"dpo.reference=precomputed is not built yet"),
-    ("strategy.name=zero3", r"dpo.reference=live holds its frozen copy under single and ddp so far"),
+    ("strategy.name=auto", r"strategy.name=auto cannot choose for it; name the strategy"),
     ("data.packing=true", r"train.objective=dpo takes one sequence a row"),
 ])
 def test_bad_dpo_settings_are_refused(folder, override, pattern):

@@ -330,7 +330,8 @@ class DpoConfig:
     global batch's chosen completion tokens is added to the loss; 0: none."""
     reference: Optional[str] = None
     """The model the policy's log-ratios are taken against: live (a frozen copy of the starting weights, held
-    under the run's strategy, never updated or saved); adapters-off (model.lora: the base with the adapters
+    under the run's strategy, sharded as the policy under zero3/fsdp, never updated or saved; not with
+    strategy.name=auto); adapters-off (model.lora: the base with the adapters
     switched off, no copy); precomputed (not built yet). null: adapters-off with model.lora, else live; none
     for simpo, which takes no reference."""
 

@@ -267,8 +267,7 @@ def check_reference(cfg: Config) -> None:
         raise ConfigError("dpo.reference=live holds a second copy of the model; with model.lora the base with the "
                           "adapters off is the reference at no cost: use dpo.reference=adapters-off (or leave it "
                           "unset)")
-    name = cfg.strategy.name
-    if d.reference == "live" and (name == "auto" or CATALOG[name].zero_stage):
-        raise ConfigError(f"dpo.reference=live holds its frozen copy under single and ddp so far, not "
-                          f"strategy.name={name} (a copy sharded as the policy is not built yet); set "
-                          f"strategy.name=ddp (or single)")
+    if d.reference == "live" and cfg.strategy.name == "auto":
+        raise ConfigError(f"dpo.reference=live holds a frozen copy of the model the planner does not price yet, so "
+                          f"strategy.name=auto cannot choose for it; name the strategy (one of "
+                          f"{', '.join(CATALOG)})")

@@ -11,8 +11,8 @@ the step minimises the mean over the global batch's pairs at every world size an
 The reference (dpo.reference):
 - live: a frozen copy of the starting weights (model.init_from, or the seed's) set up by a second
   instance of the run's strategy, in eval mode and under no_grad, never stepped and never saved; a resumed
-  run rebuilds it from the same weights. Config validation allows it under single and ddp (a copy that
-  zero3/fsdp would shard as the policy is not built yet).
+  run rebuilds it from the same weights. Under zero3 and fsdp the strategy shards it as it shards the
+  policy; its optimizer holds no state (never stepped).
 - adapters-off (model.lora): the policy itself with every adapter's scaling set to 0 for the reference's
   forward: exactly the base (base + 0 * B A), no copy.
 - none (simpo).

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from zerodp.config.validation import dpo_reference
 from zerodp.models.preference import STATS, batch_loss, completion_logps
+from zerodp.trainer.records import log
 
 
 def make_objective(cfg, env, grad_accum: int):
@@ -43,8 +44,20 @@ class Preference:
     def __init__(self, cfg, env, grad_accum: int):
         self.cfg, self.env, self.mode = cfg, env, dpo_reference(cfg)
         self.reference = _frozen_copy(cfg, env, grad_accum) if self.mode == "live" else None
+        log(env, self.describe())
         self.sums: dict[int, torch.Tensor] = {}
         """step done -> the sums of STATS (6,) over this rank's pairs of that step."""
+
+    def describe(self) -> str:
+        """The start-up line: the loss and what the reference holds."""
+        d = self.cfg.dpo
+        what = {None: "no reference (simpo)",
+                "adapters-off": "the reference is the base with the adapters off (no copy)"}.get(self.mode)
+        if self.mode == "live":
+            held = self.reference.state_bytes().get("params", 0)
+            what = (f"the reference is a frozen copy of the starting weights under {self.cfg.strategy.name}, "
+                    f"{held / 2**20:.1f} MiB on rank 0 beside the policy (never stepped or saved)")
+        return f"train.objective=dpo: loss {d.loss}, beta {d.beta:g}; {what}"
 
     def __call__(self, model, batch: tuple, micro_batches, **keyed) -> torch.Tensor:
         x, y, rest = batch[0], batch[1], batch[2:]

@@ -3,8 +3,8 @@ pairs (global batch 12 rows = 6 pairs, micro batches of 2: accumulation 6 at wor
 loss type (sigmoid with label smoothing and the RPO term, ipo, simpo) with the live frozen reference or
 none, and LoRA with the adapters switched off as the reference; zero3 and fsdp, whose live reference is a
 second instance of the strategy (sharded as the policy), for sigmoid and LoRA. Per-step losses, the final
-weights and the logged rewards agree within test_equivalence.py's 1e-5. One launch per world size runs
-every training."""
+weights and the logged rewards, on the training and the validation pairs, agree within
+test_equivalence.py's 1e-5. One launch per world size runs every training."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ TOLERANCE = 1e-5
 STEPS = 3
 BASE = [o for o in TINY if not o.startswith(("train.global_batch_size", "train.micro_batch_size"))] + [
     "train.global_batch_size=12", "train.micro_batch_size=2", f"train.max_steps={STEPS}", "optim.lr=3e-3",
-    "data.packing=false", "train.objective=dpo", "train.log_every=1"]
+    "data.packing=false", "train.objective=dpo", "train.log_every=1", "train.eval_every=3", "train.eval_batches=3"]
 CASES = {"sigmoid": ["dpo.beta=0.5", "dpo.label_smoothing=0.1", "dpo.rpo_alpha=0.2"],
          "ipo": ["dpo.loss=ipo", "dpo.beta=0.5"],
          "simpo": ["dpo.loss=simpo", "dpo.beta=2.0", "dpo.simpo_gamma=0.3"],
@@ -68,3 +68,7 @@ def test_every_strategy_at_world_2_follows_one_process(runs, case, name):
         for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen"):
             assert a[key] == pytest.approx(b[key], abs=TOLERANCE), (case, key)
     assert any(r["rewards/margins"] != 0.0 for r in one["metrics"][1:])
+    # the validation pairs, shared out among the ranks, give the same loss and rewards
+    assert one["metrics"][-1]["val_rewards/margins"] != 0.0
+    for key in ("val_loss", "val_rewards/chosen", "val_rewards/margins", "val_logps/rejected"):
+        assert one["metrics"][-1][key] == pytest.approx(two["metrics"][-1][key], abs=TOLERANCE), (case, key)

@@ -62,13 +62,16 @@ def test_a_dpo_run_starts_at_ln2_and_logs_trls_metrics(folder, tmp_path):
     from zerodp.trainer.loop import train
 
     cfg = load_config(None, dpo(folder, "strategy.name=single", "train.max_steps=3", f"train.out_dir={tmp_path}",
-                                "optim.lr=1e-3", "dpo.beta=0.5"))
+                                "optim.lr=1e-3", "dpo.beta=0.5", "train.eval_every=1", "train.eval_batches=2"))
     summary = train(cfg, fresh=True)
     assert summary["losses"][1] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(k in r for r in records for k in STATS)
     first, last = records[0], records[-1]
     assert first["rewards/margins"] == 0.0 and first["logps/chosen"] < 0
+    # the validation pairs after the first update: the policy moved from the reference
+    assert abs(first["val_loss"] - math.log(2)) > 1e-4 and first["val_rewards/margins"] != 0.0
+    assert last["val_rewards/accuracies"] in (0.0, 0.25, 0.5, 0.75, 1.0)  # 2 micro batches of 2 rows: 4 pairs
     assert last["rewards/chosen"] != 0.0 and last["loss"] != pytest.approx(math.log(2), abs=1e-4)
     assert "rewards/chosen" not in (tmp_path / "config.yaml").read_text()  # the metrics, not the config
     assert not any(p.name.startswith("reference") for p in (tmp_path / "checkpoints").rglob("*"))

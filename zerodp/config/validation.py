@@ -226,8 +226,6 @@ def check_objective(cfg: Config) -> None:
                           f"prepare PAIRS.jsonl --preference and point data.source at its folder")
     if cfg.data.packing:
         raise ConfigError("train.objective=dpo takes one sequence a row (a pair is two rows): set data.packing=false")
-    if t.eval_every:
-        raise ConfigError("train.objective=dpo does not validate on the val pairs yet: set train.eval_every=0")
     for key, n in (("train.global_batch_size", t.global_batch_size), ("train.micro_batch_size", t.micro_batch_size)):
         if n == "auto":
             raise ConfigError(f"{key}=auto is not planned for train.objective=dpo yet; give an even number")

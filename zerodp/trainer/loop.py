@@ -334,7 +334,8 @@ class Steps:
                 record.update(found)
         if evaluate_now:
             t_eval = time.perf_counter()
-            new[-1].update(evaluate(self.strategy, val_data, self.cfg, self.env))
+            measure = evaluate if self.objective is None else self.objective.evaluate
+            new[-1].update(measure(self.strategy, val_data, self.cfg, self.env))
             self.interval_start += time.perf_counter() - t_eval
         step = pending[-1].step  # checked before a save, the finding in the step's record, then the stop
         found = self.replicas.check(step, bool(stop) or self.checkpointer.due(step))

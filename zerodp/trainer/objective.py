@@ -82,6 +82,36 @@ class Preference:
         finally:
             net.train(was)
 
+    @torch.no_grad()
+    def evaluate(self, strategy, val_data, cfg, env) -> dict[str, float]:
+        """Collective: the validation pairs' loss and metrics, every rank together: "val_loss" (the step's
+        loss, over the validation set's pairs and chosen tokens) and "val_" + each of STATS. The set is
+        zerodp.trainer.validate's (micro batches i < train.eval_batches of the val split, shared out among
+        the ranks), whole pairs since the micro batch is even."""
+        from zerodp.trainer.validate import rank_batches
+
+        micro, model, d = cfg.train.micro_batch_size, strategy.model, self.cfg.dpo
+        pair_only = type(d)(**{**vars(d), "rpo_alpha": 0.0})
+        sums = torch.zeros(3 + len(STATS), dtype=torch.float64)  # pair-loss sum, chosen NLL sum, chosen tokens
+        model.eval()
+        try:
+            for i in rank_batches(cfg.train.eval_batches, env.rank, env.world_size):
+                batch = tuple(t.to(env.device) for t in val_data.rows(val_data.offsets(0 if i is None else i, micro)))
+                with strategy.autocast():
+                    policy, tokens = completion_logps(model(batch[0], None, *batch[2:]), batch[1])
+                    reference = self.reference_logps(model, batch) if self.mode else None
+                if i is None:  # a forward every rank runs as often (a sharded model's collectives), no pairs
+                    continue
+                loss, stats = batch_loss(pair_only, policy, reference, tokens, 1, 1)
+                sums += torch.cat([torch.stack([loss, -policy[0::2].sum(), tokens[0::2].sum()]), stats]).double().cpu()
+        finally:
+            model.train()
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        pairs = cfg.train.eval_batches * micro // 2
+        loss = sums[0] / pairs + d.rpo_alpha * sums[1] / sums[2].clamp(min=1)
+        return {"val_loss": float(loss), **{f"val_{k}": round(float(v) / pairs, 6) for k, v in zip(STATS, sums[3:])}}
+
     def metrics(self, steps: list[int], device) -> list[dict[str, float]]:
         """Collective: each of `steps`' STATS, the mean over its global batch's pairs (one all-reduce)."""
         sums = torch.stack([torch.as_tensor(self.sums.pop(s, torch.zeros(len(STATS))), dtype=torch.float32,

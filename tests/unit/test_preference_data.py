@@ -105,3 +105,8 @@ def test_no_pair_and_preference_with_chat_are_one_line_exit_2(tmp_path, model, c
     one_line_error(capsys, run(src, "--preference", "--chat", "--tokenizer", folder, "--out", tmp_path / "o"),
                    "--preference and --chat are two kinds of rows")
     shutil.rmtree(tmp_path / "o", ignore_errors=True)
+    pairs = write_rows(tmp_path / "pairs.jsonl", PLAIN)  # without --preference: told to add it
+    one_line_error(capsys, run(pairs, "--tokenizer", folder, "--out", tmp_path / "o"),
+                   r"pairs\.jsonl, line 1: no field 'text' \(its fields: prompt, chosen, rejected\); these rows are "
+                   r"preference pairs: prepare them with --preference")
+    assert not (tmp_path / "o").exists()

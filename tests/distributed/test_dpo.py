@@ -1,10 +1,11 @@
-"""train.objective=dpo under ddp at world 2 follows the single-process run on the same global batches of
-pairs (global batch 12 rows = 6 pairs, micro batches of 2: accumulation 6 at world 1, 3 at world 2): each
-loss type (sigmoid with label smoothing and the RPO term, ipo, simpo) with the live frozen reference or
-none, and LoRA with the adapters switched off as the reference; zero3 and fsdp, whose live reference is a
-second instance of the strategy (sharded as the policy), for sigmoid and LoRA. Per-step losses, the final
-weights and the logged rewards, on the training and the validation pairs, agree within
-test_equivalence.py's 1e-5. One launch per world size runs every training."""
+"""train.objective=dpo at world 2 and 3 follows the single-process run on the same global batches of pairs
+(global batch 12 rows = 6 pairs, micro batches of 2: accumulation 6, 3 and 2 at world 1, 2 and 3): under
+ddp at world 2 each loss type (sigmoid with label smoothing and the RPO term, ipo, simpo) with the live
+frozen reference or none, and LoRA with the adapters switched off as the reference; for sigmoid and LoRA
+also zero3 and fsdp at world 2 (the live reference a second instance of the strategy, sharded as the
+policy) and ddp and zero3 at world 3. Per-step losses, the final weights and the logged rewards, on the
+training and the validation pairs, agree within test_equivalence.py's 1e-5. One launch per world size
+runs every training."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ CASES = {"sigmoid": ["dpo.beta=0.5", "dpo.label_smoothing=0.1", "dpo.rpo_alpha=0
          "ipo": ["dpo.loss=ipo", "dpo.beta=0.5"],
          "simpo": ["dpo.loss=simpo", "dpo.beta=2.0", "dpo.simpo_gamma=0.3"],
          "lora": ["model.lora.rank=4", "model.lora.alpha=8", "dpo.beta=0.5"]}
-STRATEGIES = {1: ["single"], 2: ["ddp", "zero3", "fsdp"]}
-SHARDED = ("sigmoid", "lora")  # the cases zero3 and fsdp run
+STRATEGIES = {1: ["single"], 2: ["ddp", "zero3", "fsdp"], 3: ["ddp", "zero3"]}
+SHARDED = ("sigmoid", "lora")  # the cases zero3 and fsdp run, and world 3
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +38,23 @@ def runs(tmp_path_factory):
     data = preference_folder(root / "pairs")
     results = {}
     for world, names in STRATEGIES.items():
-        keys = [(case, name) for name in names for case in CASES if name in ("single", "ddp") or case in SHARDED]
+        keys = [(case, name, world) for name in names for case in CASES
+                if world < 3 and name in ("single", "ddp") or case in SHARDED]
         plan = [{"overrides": BASE + CASES[case] + [f"data.source={data}", f"strategy.name={name}",
-                                                    f"train.out_dir={root / f'{case}-{name}'}"]} for case, name in keys]
+                                                    f"train.out_dir={root / f'{case}-{name}-{world}'}"]}
+                for case, name, world in keys]
         got = run_distributed("tests.support.workers:train_runs", world, {"runs": plan})[0]
-        for (case, name), result in zip(keys, got):
-            metrics = [json.loads(x) for x in (root / f"{case}-{name}" / "metrics.jsonl").read_text().splitlines()]
-            results[(case, name)] = {**result, "metrics": metrics}
+        for (case, name, world), result in zip(keys, got):
+            out = root / f"{case}-{name}-{world}"
+            results[(case, name, world)] = {**result, "metrics": [json.loads(x) for x in
+                                                                  (out / "metrics.jsonl").read_text().splitlines()]}
     return results
 
 
-@pytest.mark.parametrize("case,name", [(c, "ddp") for c in CASES] + [(c, n) for c in SHARDED
-                                                                      for n in ("zero3", "fsdp")])
-def test_every_strategy_at_world_2_follows_one_process(runs, case, name):
-    one, two = runs[(case, "single")], runs[(case, name)]
+@pytest.mark.parametrize("case,name,world", [(c, "ddp", 2) for c in CASES] + [
+    (c, n, w) for c in SHARDED for n, w in (("zero3", 2), ("fsdp", 2), ("ddp", 3), ("zero3", 3))])
+def test_every_strategy_at_world_2_and_3_follows_one_process(runs, case, name, world):
+    one, two = runs[(case, "single", 1)], runs[(case, name, world)]
     assert len(one["losses"]) == STEPS and two["strategy"] == name
     # the reference is the starting policy: every log-ratio is 0 at the first step
     first = {"ipo": (1 / (2 * 0.5)) ** 2, "lora": math.log(2)}
@@ -62,7 +66,7 @@ def test_every_strategy_at_world_2_follows_one_process(runs, case, name):
     loss_diff = max(abs(a - b) for a, b in zip(one["losses"], two["losses"]))
     trained = [n for n in one["weights"] if case != "lora" or is_adapter(n)]
     weight_diff = max((one["weights"][n] - two["weights"][n]).abs().max().item() for n in trained)
-    print(f"{case}: {name} world 2 vs single: |loss diff| {loss_diff:.1e}, |weight diff| {weight_diff:.1e}")
+    print(f"{case}: {name} world {world} vs single: |loss diff| {loss_diff:.1e}, |weight diff| {weight_diff:.1e}")
     assert loss_diff < TOLERANCE and weight_diff < TOLERANCE, (case, loss_diff, weight_diff)
     for a, b in zip(one["metrics"], two["metrics"]):
         for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen"):

@@ -45,7 +45,6 @@ def dpo(folder, *more):
 
 
 def test_the_wrong_data_for_the_objective_is_one_line_exit_2_and_nothing_written(folder, tmp_path, capsys):
-    # before any test here starts a process group: an error of a run in one leaves the process (os._exit)
     sft = write_prepared(tmp_path / "sft", [20] * 30, [20] * 4, targets=[0.5])
     out = tmp_path / "run"
     code = main(["train", "configs/tiny.yaml", *dpo(sft, f"train.out_dir={out}", "strategy.name=single")])
@@ -58,7 +57,7 @@ def test_the_wrong_data_for_the_objective_is_one_line_exit_2_and_nothing_written
     assert not out.exists()
 
 
-def test_a_dpo_run_starts_at_ln2_and_logs_trls_metrics(folder, tmp_path):
+def test_a_dpo_run_starts_at_ln2_and_logs_trls_metrics(folder, tmp_path, group):
     from zerodp.trainer.loop import train
 
     cfg = load_config(None, dpo(folder, "strategy.name=single", "train.max_steps=3", f"train.out_dir={tmp_path}",
@@ -135,7 +134,7 @@ def test_bad_dpo_settings_are_refused(folder, override, pattern):
         load_config(None, dpo(folder, "train.global_batch_size=12", override))
 
 
-def test_a_resumed_dpo_run_continues_the_trajectory_with_the_same_reference(folder, tmp_path):
+def test_a_resumed_dpo_run_continues_the_trajectory_with_the_same_reference(folder, tmp_path, group):
     """Stopped after step 2 (mid-epoch: 40 pairs, 6 a step) and resumed to step 4: the reference is rebuilt
     from the starting weights, not the resumed policy, so steps 3 and 4 are the uninterrupted run's."""
     from zerodp.trainer.loop import train
@@ -153,3 +152,10 @@ def test_a_resumed_dpo_run_continues_the_trajectory_with_the_same_reference(fold
         assert resumed["losses"][step] == pytest.approx(straight["losses"][step], abs=1e-6)
     assert abs(straight["losses"][3] - math.log(2)) > 1e-3  # a reference rebuilt from step 2 would give ln 2
     assert max((resumed["weights"][n] - w).abs().max().item() for n, w in straight["weights"].items()) < 1e-6
+
+
+def test_zerodp_verify_passes_on_a_dpo_config(folder, tmp_path, group):
+    """Two micro-batch splits of the same DPO run, compared step by step and tensor by tensor."""
+    code = main(["verify", "configs/tiny.yaml", *dpo(folder, f"train.out_dir={tmp_path / 'run'}", "optim.lr=1e-2"),
+                 "--against", "train.micro_batch_size=6", "--steps", "2"])
+    assert code == 0

@@ -245,9 +245,9 @@ class Steps:
         self.meter = CommMeter(cfg.train.measure_comm)  # counts the collectives of each step
         self.replicas = ReplicaCheck(cfg, env, strategy)  # train.check_replicas_every
         self.config_from = 0
+        """The step the run's config took effect at (zerodp.trainer.resume), for its checkpoints."""
         self.objective = None
         """train.objective=dpo's loss and metrics (zerodp.trainer.objective); None: the model's loss."""
-        """The step the run's config took effect at (zerodp.trainer.resume), for its checkpoints."""
         self.held: dict[int, int] = {}
         """What rank 0 holds after the first step (strategy.state_bytes)."""
         self.done = 0

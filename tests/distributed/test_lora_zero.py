@@ -274,3 +274,17 @@ def test_bf16_base_is_16_bit_frozen_and_sharded(lora):
         assert near(states[stage]["held"]["params"], 2 * (A + B)), states[stage]
     assert near(states["zero3"]["frozen_partition"] * N, B), states["zero3"]  # the base sharded
     assert near(states["zero3"]["held"]["params"], 2 * (A + B) // N), states["zero3"]
+
+
+def test_each_runs_traffic_is_what_it_planned(lora):
+    """Each run's end-of-run "comm/step sent per rank" line within 5% of its plan: zero3 gathers its persistent
+    parameters after every step, the frozen base's too (planned for the adapters alone it was +142% to +212%)."""
+    failures = []
+    for world in RUNS:
+        for got, (model, strategy) in zip(lora[f"w{world}"], RUNS[world]):
+            comm = got["planned"]["comm_bus_bytes"]
+            error = (comm["measured"] - comm["predicted"]) / comm["predicted"]
+            if abs(error) > 0.05:
+                failures.append(f"{model} {strategy} world {world}: predicted {comm['predicted']:,} B, "
+                                f"measured {comm['measured']:,} B ({error:+.1%})")
+    assert not failures, "\n".join(failures)

@@ -137,3 +137,20 @@ def test_the_choice_is_the_fastest_row_that_fits_offload_rows_included(capsys):
     assert fsdp["fits"] and fsdp["step_s"] > 1.5 * chosen["step_s"]
     assert re.search(rf"^fsdp: fits .*, but slower: predicted {fsdp['step_s']:.0f} s per step vs "
                      rf"{chosen['step_s']:.0f} s for {re.escape(chosen['name'])}", out, re.M), out
+
+
+def test_offloaded_states_are_compared_host_with_host_and_never_as_a_percentage_of_nothing():
+    """The end-of-run lines of a zero2 + offload_optimizer run (fp32, world 2) put 'predicted 0.000 MiB, measured
+    4.821 MiB (+0.0%)' for the optimizer state: the device's prediction beside what the host held."""
+    from zerodp.telemetry.comm import PlanCheck
+
+    lines = PlanCheck.report({
+        "params": {"predicted": 3_370_000, "measured": 3_370_000},
+        "grads": {"predicted": 0, "measured": 0},
+        "optim": {"predicted": 0, "measured": 1_048_576},
+        "offloaded": {"predicted": 20_402_176, "measured": 20_453_376}}).splitlines()
+    assert lines[1:] == [
+        "  parameters per rank on the device: predicted 3.214 MiB, measured 3.214 MiB (+0.0%)",
+        "  gradients per rank on the device: predicted none, measured none",
+        "  optimizer state per rank on the device: predicted none, measured 1.000 MiB: not in the plan",
+        "  offloaded to host memory per rank: predicted 19.457 MiB, measured 19.506 MiB (+0.3%)"]

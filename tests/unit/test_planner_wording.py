@@ -154,3 +154,39 @@ def test_offloaded_states_are_compared_host_with_host_and_never_as_a_percentage_
         "  gradients per rank on the device: predicted none, measured none",
         "  optimizer state per rank on the device: predicted none, measured 1.000 MiB: not in the plan",
         "  offloaded to host memory per rank: predicted 19.457 MiB, measured 19.506 MiB (+0.3%)"]
+
+
+@pytest.mark.parametrize("setting,tokens,vocab,hidden,line", [
+    ("auto", 8 * 128, 256, 128, "whole logits"),  # configs/tiny.yaml: 262,144 logits
+    ("auto", 4 * 2048, 128_256, 2048, "16 chunks of 512 tokens"),  # Llama 3.2 1B at micro batch 4
+    ("auto", 4096, 128_256, 4096, "whole logits"),  # at most 2 x hidden tokens: whole whatever the logits
+    (0, 4 * 2048, 128_256, 2048, "whole logits"),
+    (7, 300, 256, 64, "7 chunks of 42-43 tokens"),  # zerodp.models.loss: chunk i holds tokens N*i//7 to N*(i+1)//7
+    (5000, 300, 256, 64, "300 chunks of 1 tokens"),  # more chunks than tokens: one token each
+])
+def test_the_loss_is_said_as_it_is_computed(setting, tokens, vocab, hidden, line):
+    from zerodp.planner.activations import loss_line
+
+    assert loss_line(setting, tokens, vocab, hidden) == line
+
+
+def test_startup_and_plan_say_how_the_loss_is_computed():
+    """Start-up never said whether the loss ran on the whole logits or in chunks (model.loss_chunks=auto)."""
+    from tests.unit.test_planner import parse
+    from zerodp.config import load_config
+    from zerodp.planner.cli import build
+    from zerodp.telemetry.comm import PlanCheck
+
+    tiny = load_config("configs/tiny.yaml", ["strategy.name=ddp"])
+    assert ("activation checkpointing off, loss: whole logits (model.loss_chunks=auto): comm/step"
+            in PlanCheck(tiny, 2, 64 * 2**30, "cpu").prediction())
+    wide = load_config("configs/tiny.yaml", ["strategy.name=ddp", "model.vocab_size=100000", "model.loss_chunks=3"])
+    assert "activation checkpointing off, loss: 3 chunks of 341-342 tokens: comm/step" in PlanCheck(
+        wide, 2, 64 * 2**30, "cpu").prediction()
+    base = ["--model", "llama3.2-1b", "--gpu", "h200", "--seq-len", "2048"]
+    micro4 = build(parse(*base, "--micro-batch", "4")).table()
+    assert "loss: 16 chunks of 512 tokens (model.loss_chunks=auto)\n" in micro4
+    # a searched micro batch: each row's (Llama 3 8B: at micro batch 1 its 4,096 tokens are at most 2 x hidden)
+    searched = build(parse("--model", "llama3-8b", "--gpus", "8", "--global-batch", "64")).table()
+    assert ("loss: whole logits at micro batch 1; 32 chunks of 512 tokens at micro batch 4 "
+            "(model.loss_chunks=auto)\n") in searched

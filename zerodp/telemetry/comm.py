@@ -221,9 +221,15 @@ class PlanCheck:
 
     def prediction(self) -> str:
         """One line: the run as the planner sees it, and what it predicts per step and per rank."""
-        e, t = self.estimate, self.cfg.train
+        from zerodp.planner.activations import loss_line, loss_setting
+        from zerodp.planner.models import spec_from_model_config
+
+        e, t, m = self.estimate, self.cfg.train, self.cfg.model
+        spec = spec_from_model_config(m)  # the head's widths, as the model has them (an hf_config's too)
+        loss = (loss_line(m.loss_chunks, t.micro_batch_size * m.block_size, spec.vocab_size, spec.hidden)
+                + loss_setting(m.loss_chunks))
         return (f"plan for this run: {e.name} on {self.world_size} rank(s), micro batch {t.micro_batch_size}, "
-                f"{t.precision}, activation checkpointing {e.activation_checkpointing}: "
+                f"{t.precision}, activation checkpointing {e.activation_checkpointing}, loss: {loss}: "
                 f"comm/step {_mib(e.comm_bytes)} sent per rank, model states {_mib(_planned_states(e))} and "
                 f"{_mib(e.total_bytes)} in all per rank, step {e.step_s:.3g}s")
 

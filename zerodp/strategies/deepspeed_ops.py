@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from zerodp.errors import UserError
@@ -96,13 +97,31 @@ def compiler(environ=os.environ) -> str | None:
     return shutil.which(words[0], path=environ.get("PATH")) if words else None
 
 
+def locks(names: list[str], root: Path) -> list[Path]:
+    """The lock files in `root` of those of `names` that have one: torch's build of an op (built or not:
+    every load goes through it) holds `<root>/<op>/lock` while it builds, and every other process that loads
+    the op polls until the file is gone, with no timeout and no word (torch.utils.file_baton.FileBaton)."""
+    return [root / n / "lock" for n in names if (root / n / "lock").exists()]
+
+
 def check(strategy: str, offload_optimizer: bool) -> None:
     """UserError when this launch would make DeepSpeed compile an op and there is no C++ compiler (or
-    no ninja, which torch's build runs) to do it."""
-    missing = unbuilt(jit_ops(offload_optimizer), extensions_root())
+    no ninja, which torch's build runs) to do it, or when DeepSpeed would wait without end for a build's
+    lock file. Called before any rank of the launch loads an op (the start-up checks), so a lock then is
+    another launch's: one building the op now, or one stopped while it built the op (killed at a time
+    limit, say: the first offload launch compiles cpu_adam for a minute or more on a few cores), whose file
+    nothing will ever remove."""
+    what = f"strategy.name={strategy}" + (" with strategy.offload_optimizer=true" if offload_optimizer else "")
+    names, root = jit_ops(offload_optimizer), extensions_root()
+    if held := locks(names, root):
+        age = time.time() - held[0].stat().st_mtime
+        raise UserError(f"{what}: DeepSpeed's build of its C++ op {held[0].parent.name} is locked by {held[0]} "
+                        f"(made {_duration(age)} ago), and every rank would wait for it without end: a launch "
+                        f"stopped while it built the op leaves that file behind; unless another launch is building "
+                        f"it now, delete the file (rm {held[0]}) and launch again")
+    missing = unbuilt(names, root)
     if not missing:
         return
-    what = f"strategy.name={strategy}" + (" with strategy.offload_optimizer=true" if offload_optimizer else "")
     ops = ", ".join(missing)
     if compiler() is None:
         cxx = os.environ.get("CXX")
@@ -115,6 +134,11 @@ def check(strategy: str, offload_optimizer: bool) -> None:
     if not is_ninja_available():
         raise UserError(f"{what}: DeepSpeed compiles its C++ op {ops} at the first launch with ninja, which is not "
                         f"installed; pip install ninja")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.0f} h"
 
 
 def build_line(offload_optimizer: bool) -> str | None:

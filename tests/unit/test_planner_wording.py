@@ -190,3 +190,19 @@ def test_startup_and_plan_say_how_the_loss_is_computed():
     searched = build(parse("--model", "llama3-8b", "--gpus", "8", "--global-batch", "64")).table()
     assert ("loss: whole logits at micro batch 1; 32 chunks of 512 tokens at micro batch 4 "
             "(model.loss_chunks=auto)\n") in searched
+
+
+def test_fsdp_offload_is_compared_with_the_host():
+    """fsdp's state_bytes keeps no host key: under its CPUOffloadPolicy the parameter shards, gradients and
+    moments are all the host's, and are compared with offloaded_bytes, not with the device's zeros."""
+    import torch
+
+    from zerodp.config import load_config
+    from zerodp.telemetry.comm import PlanCheck
+
+    cfg = load_config("configs/tiny.yaml", ["strategy.name=fsdp", "strategy.offload_params=true"])
+    check = PlanCheck(cfg, 2, 64 * 2**30, "cpu")
+    got = check.compare(None, {"params": 100, "grads": 20, "optim": 3}, torch.device("cpu"))
+    assert {k: v["measured"] for k, v in got.items()} == {"params": 0, "grads": 0, "optim": 0, "offloaded": 123}
+    assert got["offloaded"]["predicted"] == check.estimate.offloaded_bytes > 0
+    assert "(+" not in PlanCheck.report(got).split("\n")[1]  # no percentage of the device's zero

@@ -193,7 +193,7 @@ class ZeroStrategy:
                 self._set_part(p, model.initial_values(name, seed, start, stop))
             else:  # one draw: the working copy (rounded to 16 bits) and the exact fp32 master fragment
                 self._set_part(p, model.initial_values(name, seed).view(p.shape))
-        drop_secondary_partitions(self.model.optimizer)
+        drop_secondary_partitions(self.module)
 
     def _set_part(self, p: nn.Parameter, values: torch.Tensor, kind: str = "param") -> None:
         """Write `values` (ZeRO-3: this rank's partition of the flattened parameter, `_partition_range`;
@@ -373,7 +373,7 @@ class ZeroStrategy:
                 for kind in kinds:
                     full = state.get(name, kind, shape)
                     self._set_part(p, full.flatten()[start:stop] if self.stage == 3 else full, kind)
-        drop_secondary_partitions(self.model.optimizer)
+        drop_secondary_partitions(self.module)
         self._skipped_steps = _skipped_steps(state.source) if state.with_optimizer else 0
 
     def resume_at(self, step: int) -> None:

@@ -278,7 +278,7 @@ class ZeroStrategy:
         strategy.offload_optimizer (the fp32 master partition and its gradient, AdamW's moments, the host
         staging and accumulation buffers, `OFFLOADED_ATTRS`) and strategy.offload_params (the parameter
         partitions): the planner's offloaded_bytes, the rest its device figures, on a CPU device too, where
-        both are host memory (see docs/strategies.md for what each key holds per stage)."""
+        both are host memory; only under offload (see docs/strategies.md for what each key holds per stage)."""
         s = self.ctx.cfg.strategy
         offloaded_attrs = OFFLOADED_ATTRS if s.offload_optimizer else ()
         found: dict[str, list] = {"offloaded": [], "params": [], "optim": [], "buckets": [], "grads": [],
@@ -303,6 +303,8 @@ class ZeroStrategy:
             seen += found[key]
             total = tensor_bytes(seen)
             held[key], before = total - before, total
+        if not (s.offload_optimizer or s.offload_params):
+            del held["offloaded"]  # nothing is: the start-up line names no host memory
         return held
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -30,7 +30,8 @@ SUPPORTED = tuple(FAMILY_OF_TYPE)
 
 
 def _pattern(p: str) -> re.Pattern:
-    return re.compile(re.escape(p).replace(re.escape("{i}"), r"(\d+)"))
+    """{i} (a block) and {j} (an expert) match a number each."""
+    return re.compile(re.escape(p).replace(re.escape("{i}"), r"(\d+)").replace(re.escape("{j}"), r"(\d+)"))
 
 
 @functools.cache
@@ -44,7 +45,9 @@ def _buffers(family: str) -> list:
 
 
 def _fill(pattern: str, m: re.Match) -> str:
-    return pattern.replace("{i}", m.group(1)) if m.groups() else pattern
+    for key, value in zip(("{i}", "{j}"), m.groups()):
+        pattern = pattern.replace(key, value)
+    return pattern
 
 
 def to_hf(family: str, name: str) -> tuple[str, str | None] | None:

@@ -40,9 +40,12 @@ EXPERTS = {
 slice of gate_up_proj (2I, C) is its gate_proj (I, C) over its up_proj (I, C); of down_proj (C, I), its
 down_proj."""
 
-TABLE = (*qwen3.TABLE, *((n, n, None) for n in ("model.layers.{i}.mlp.gate.weight",
-                                                  "model.layers.{i}.mlp.experts.gate_up_proj",
-                                                  "model.layers.{i}.mlp.experts.down_proj")))
+TABLE = (*qwen3.TABLE, *((n, n, None) for n in (
+    "model.layers.{i}.mlp.gate.weight",
+    "model.layers.{i}.mlp.experts.gate_up_proj", "model.layers.{i}.mlp.experts.down_proj",
+    # a file's tensors: what the stacked ones are written as (EXPERTS, zerodp.convert.experts)
+    "model.layers.{i}.mlp.experts.{j}.gate_proj.weight", "model.layers.{i}.mlp.experts.{j}.up_proj.weight",
+    "model.layers.{i}.mlp.experts.{j}.down_proj.weight")))
 IMPORT_PREFIX, BUFFERS, NORM_EPS_KEY = llama.IMPORT_PREFIX, llama.BUFFERS, llama.NORM_EPS_KEY
 
 

@@ -37,7 +37,7 @@ class Qwen3Moe(Qwen3):
     def forward(self, idx, targets=None, doc_ids=None, cache=None):
         """DecoderLM's forward; a training forward with targets also sets `balance_loss` and `aux_loss`."""
         log = self.router_log
-        log.start(recording=targets is not None and self.training and torch.is_grad_enabled())
+        log.start(recording=targets is not None and self.training)
         try:
             out = super().forward(idx, targets, doc_ids, cache)
         finally:

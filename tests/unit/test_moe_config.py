@@ -1,0 +1,65 @@
+"""model.moe's settings (zerodp.models.moe_spec): what a user gets wrong is one line naming the key and
+the fix, `zerodp train` exits 2 before anything is written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerodp.cli.commands import main
+from zerodp.config import load_config
+from zerodp.errors import ConfigError
+from zerodp.models import arch_of
+
+MOE = ["model.arch=qwen3_moe", "model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.intermediate_size=64"]
+
+BAD = {
+    "model.moe.num_experts_per_tok=9": r"^model.moe.num_experts_per_tok=9 is above model.moe.num_experts=8: a token "
+                                       r"cannot go to more experts than there are; set num_experts_per_tok <= 8$",
+    "model.moe.num_experts=0": r"^model.moe.num_experts=0 must be a whole number >= 1; a mixture of experts needs at "
+                               r"least one expert \(8, 64, 128 are usual\)$",
+    "model.moe.balance=batch": r"^model.moe.balance='batch' is not a balance mode; did you mean 'micro_batch'\? choose "
+                               r"sequence \(per sequence, the same at any micro batch or world size\) or micro_batch "
+                               r"\(transformers' loss\)$",
+    "model.moe.router_aux_loss_coef=-0.1": r"^model.moe.router_aux_loss_coef=-0.1 must be a number >= 0 \(0.001 is "
+                                           r"usual; 0 trains without the balance loss\)$",
+    "model.moe.num_expert=4": r"^unknown key 'num_expert' in model.moe; did you mean 'num_experts'\?$",
+}
+
+
+@pytest.mark.parametrize("override", list(BAD))
+def test_bad_moe_settings_are_one_line(override):
+    with pytest.raises(ConfigError, match=BAD[override]):
+        load_config(None, MOE + [override])
+
+
+def test_moe_on_a_dense_family_is_refused():
+    with pytest.raises(ConfigError, match=r"^model.moe applies to a mixture of experts \(model.arch=qwen3_moe\), not "
+                                          r"llama; remove model.moe or set model.arch=qwen3_moe$"):
+        load_config(None, ["model.arch=llama", "model.moe.num_experts=4"])
+
+
+def test_the_experts_of_a_config_json_win_and_the_balance_mode_is_the_users(tmp_path):
+    """model.hf_config sets the experts; model.moe.balance may be set beside it, a contradicting expert count not."""
+    raw = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256,
+           "max_position_embeddings": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+           "norm_topk_prob": True, "mlp_only_layers": [0], "router_aux_loss_coef": 0.01}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = load_config(None, [f"model.hf_config={tmp_path}", "model.moe.balance=micro_batch"])
+    assert cfg.model.moe["balance"] == "micro_batch" and cfg.model.moe["router_aux_loss_coef"] == 0.01
+    a = arch_of(cfg.model)
+    assert (a.n_experts, a.experts_per_token, a.expert_ffn, a.dense_layers, a.norm_topk_prob) == (4, 2, 16, (0,), True)
+    with pytest.raises(ConfigError, match=r"^model.moe.num_experts=8 contradicts model.hf_config .*config.json, which "
+                                          r"gives num_experts=4; remove model.moe.num_experts or set it to 4$"):
+        load_config(None, [f"model.hf_config={tmp_path}", "model.moe.num_experts=8"])
+
+
+def test_zerodp_train_with_bad_moe_settings_exits_2_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "configs/tiny.yaml", *MOE, "model.moe.num_experts=2", "model.moe.num_experts_per_tok=3",
+                 f"train.out_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "num_experts_per_tok=3 is above model.moe.num_experts=2" in err[0], err
+    assert not out.exists()

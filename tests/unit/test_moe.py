@@ -1,11 +1,14 @@
-"""model.moe's settings (zerodp.models.moe_spec): what a user gets wrong is one line naming the key and
-the fix, `zerodp train` exits 2 before anything is written."""
+"""Mixtures of experts on one process: model.moe's settings (zerodp.models.moe_spec), where what a user gets
+wrong is one line naming the key and the fix and `zerodp train` exits 2 before anything is written; and the
+experts' two ways to compute (zerodp.models.moe.Experts)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from zerodp.cli.commands import main
 from zerodp.config import load_config
@@ -63,3 +66,30 @@ def test_zerodp_train_with_bad_moe_settings_exits_2_and_writes_nothing(tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "num_experts_per_tok=3 is above model.moe.num_experts=2" in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without grouped_mm")
+def test_the_grouped_matmul_computes_what_the_loop_over_experts_does(monkeypatch):
+    """The CUDA path (tokens sorted by expert, one grouped matmul per projection, offsets from the counts) run
+    on the CPU, where torch's grouped_mm takes fp32: the same outputs and gradients as one matmul per expert,
+    two of the eight experts receiving no token."""
+    from zerodp.models import moe
+
+    torch.manual_seed(0)
+    experts = moe.Experts(32, 16, 8)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_()
+        experts.down_proj.normal_()
+    chosen = torch.stack([torch.randperm(6)[:2] for _ in range(64)])  # experts 6 and 7 idle
+    weights = torch.rand(64, 2)
+    results = []
+    for grouped in (False, True):
+        monkeypatch.setattr(moe, "_grouped", lambda rows, w, grouped=grouped: grouped)
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        experts.zero_grad()
+        out = experts(x, chosen, weights)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()))
+    assert results[1][3][6:].abs().sum() == 0
+    for loop, grouped in zip(*results):
+        assert (loop - grouped).abs().max() <= 1e-5

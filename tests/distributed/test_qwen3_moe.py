@@ -173,6 +173,8 @@ def runs(tmp_path_factory):
             f"train.out_dir={root / 'unused'}"]},
         {"kind": "train", "overrides": start + ["strategy.name=single", "train.max_steps=2",
                                                 f"train.out_dir={root / 'train' / 'single'}"]},
+        {"kind": "train", "overrides": start + ["strategy.name=single", "train.max_steps=2",
+                                                "train.micro_batch_size=4", f"train.out_dir={root / 'train' / 'mb4'}"]},
     ]}, timeout=300)[0]
     pair = run_distributed("tests.support.moe_workers:moe_jobs", 2, {"jobs": [
         {"kind": "train", "overrides": start + ["strategy.name=ddp", "train.max_steps=2",
@@ -225,6 +227,18 @@ def test_every_run_trains_and_exports_the_hub_layout(runs, capsys):
     assert diff <= TOL, report[-1]
     with capsys.disabled():
         print("\n" + "\n".join(report))
+
+
+def test_sequence_balance_is_the_same_at_any_micro_batch_and_world_size(runs):
+    """balance: sequence (the default) with router_aux_loss_coef 0.02 from the folder: one process at micro
+    batch 2 (6 accumulation steps) and at 4 (3), and ddp on 2 ranks at 2 (3), train the same two steps: the
+    same LM losses and balance losses, the second step's after an update that the balance loss is part of."""
+    root = runs["root"]
+    got = {run: [json.loads(line) for line in (root / "train" / run / "metrics.jsonl").read_text().splitlines()]
+           for run in ("single", "mb4", "ddp")}
+    for run in ("mb4", "ddp"):
+        for a, b in zip(got["single"], got[run]):
+            assert abs(a["loss"] - b["loss"]) <= TOL and abs(a["balance_loss"] - b["balance_loss"]) <= TOL, (run, a, b)
 
 
 def test_zero3_finishes_when_ranks_route_to_different_experts(runs):

@@ -93,3 +93,21 @@ def test_the_grouped_matmul_computes_what_the_loop_over_experts_does(monkeypatch
     assert results[1][3][6:].abs().sum() == 0
     for loop, grouped in zip(*results):
         assert (loop - grouped).abs().max() <= 1e-5
+
+
+def test_adapters_leave_the_router_and_the_experts_alone():
+    """LoRA all-linear on a qwen3_moe adapts the attention and the dense blocks' MLP, not the router (no
+    linear layer PEFT adapts either) nor the stacked experts; a target naming only those is one line."""
+    from zerodp.models import build_model
+    from zerodp.models.lora_spec import adapted_modules, lora_spec
+
+    cfg = load_config(None, MOE + ["model.moe.mlp_only_layers=[1]", "model.lora.rank=4"])
+    adapted = {m.split(".", 3)[3] for m in adapted_modules(arch_of(cfg.model), lora_spec(cfg.model.lora))}
+    assert adapted == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
+    model = build_model(cfg.model, seed=1)  # the adapters built where the spec says (an assert otherwise)
+    assert not any(p.requires_grad for n, p in model.named_parameters() if ".experts." in n or ".mlp.gate." in n)
+    with pytest.raises(ConfigError, match=r"^model.lora.targets: 'gate' names no linear layer of qwen3_moe's blocks; "
+                                          r"its linear layers are down_proj, gate_proj, k_proj, o_proj, q_proj, "
+                                          r"up_proj, v_proj \(or all-linear\)$"):
+        load_config(None, MOE + ["model.moe.mlp_only_layers=[1]", "model.lora.rank=4", "model.lora.targets=[gate]"])

@@ -92,10 +92,12 @@ def lora_spec(section: dict | None, where: str = "model.lora") -> LoraSpec | Non
 
 
 def linear_modules(arch, layer: int = 0) -> dict[str, tuple[int, int]]:
-    """Block `layer`'s linear layers: module path inside the block -> (out, in) of its weight."""
+    """Block `layer`'s linear layers: module path inside the block -> (out, in) of its weight (not a
+    router: a mixture of experts' `mlp.gate`, its spec's NOT_ADAPTED, which PEFT does not adapt either)."""
     out = {}
+    skip = getattr(arch.spec, "NOT_ADAPTED", ())
     for name, shape in arch.block_shapes(layer).items():
-        if name.endswith(".weight") and len(shape) == 2:
+        if name.endswith(".weight") and len(shape) == 2 and name[: -len(".weight")] not in skip:
             out[name[: -len(".weight")]] = shape
     return out
 
@@ -106,7 +108,7 @@ def _matches(module: str, target: str) -> bool:
 
 def check_targets(arch, spec: LoraSpec, where: str = "model.lora.targets") -> None:
     """Every target names at least one linear layer of the blocks; else ConfigError listing the names."""
-    modules = linear_modules(arch)
+    modules = {m for layer in range(arch.n_layer if arch.n_experts else 1) for m in linear_modules(arch, layer)}
     names = sorted({m.rpartition(".")[2] for m in modules})
     for target in spec.targets:
         if not any(_matches(m, target) for m in modules):

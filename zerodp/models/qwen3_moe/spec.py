@@ -31,6 +31,10 @@ MOE = True
 block_shapes = qwen3.block_shapes  # llama's shapes know experts (Arch.is_moe_layer), qwen3's adds q/k norms
 param_shapes = llama.param_shapes
 
+NOT_ADAPTED = ("mlp.gate",)
+"""Modules with a 2-D weight that low-rank adapters leave alone: the router (transformers' is no nn.Linear,
+so PEFT's all-linear skips it too). The stacked experts are 3-D: never a target."""
+
 EXPERTS = {
     "mlp.experts.gate_up_proj": ("gate_proj.weight", "up_proj.weight"),
     "mlp.experts.down_proj": ("down_proj.weight",),

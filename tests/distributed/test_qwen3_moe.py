@@ -5,7 +5,7 @@ folder starts a run whose first loss is transformers' LM loss + router_aux_loss_
 writes the hub's per-expert layout, which transformers loads with no missing or unexpected key and
 zerodp's logits; ZeRO-3 at world 2 on data that sends each rank's tokens to different experts finishes.
 
-The multi-rank work is two calls of the pooled worlds (world 1: single; world 2: ddp and zero3), run once
+The multi-rank work is two calls of the pooled worlds (world 1: single; world 2: ddp, zero3, fsdp), run once
 for the module; the models are built from a Qwen3MoeConfig in code (nothing downloaded)."""
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ HF = {
     "mixed": Qwen3MoeConfig(norm_topk_prob=False, decoder_sparse_step=2, tie_word_embeddings=True, **_DIMS),
 }
 NOT_MODEL = [o for o in TINY if not o.startswith("model.")]
+EXPORTED = ("ddp", "zero3", "fsdp")
+"""The world-2 runs whose checkpoints (torch, DeepSpeed, DCP) are exported."""
 MOE = ["model.arch=qwen3_moe", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.head_dim=16",
        "model.n_embd=32", "model.intermediate_size=64", "model.tie_embeddings=false", "model.moe.num_experts=8",
        "model.moe.num_experts_per_tok=2", "model.moe.moe_intermediate_size=16"]
@@ -177,8 +179,9 @@ def runs(tmp_path_factory):
                                                 "train.micro_batch_size=4", f"train.out_dir={root / 'train' / 'mb4'}"]},
     ]}, timeout=300)[0]
     pair = run_distributed("tests.support.moe_workers:moe_jobs", 2, {"jobs": [
-        {"kind": "train", "overrides": start + ["strategy.name=ddp", "train.max_steps=2",
-                                                f"train.out_dir={root / 'train' / 'ddp'}"]},
+        *({"kind": "train", "overrides": start + [f"strategy.name={strategy}", "train.max_steps=2",
+                                                  f"train.out_dir={root / 'train' / strategy}"]}
+          for strategy in EXPORTED),
         {"kind": "logits", "idx": x.tolist(), "overrides": start + ["strategy.name=zero3",
                                                                     f"train.out_dir={root / 'unused'}"]},
         {"kind": "routes", "tokens": list(tokens), "steps": 2, "overrides": routed},
@@ -201,13 +204,15 @@ def test_a_transformers_folder_starts_a_run_with_transformers_first_loss(runs):
 
 
 def test_every_run_trains_and_exports_the_hub_layout(runs, capsys):
-    """single and ddp train 2 steps from the folder (metrics.jsonl shows balance_loss apart from loss); `zerodp
-    convert RUN OUT --to hf` writes one tensor per expert, as save_pretrained does, and transformers loads it
-    with no missing or unexpected key and zerodp's logits. ZeRO-3 starts from the folder with its logits."""
+    """single, ddp, zero3 and fsdp (world 2) train 2 steps from the folder (metrics.jsonl shows balance_loss
+    apart from loss); `zerodp convert RUN OUT --to hf` of each checkpoint (torch, DeepSpeed, DCP) writes one
+    tensor per expert, as save_pretrained does, and transformers loads it with no missing or unexpected key
+    and zerodp's logits. ZeRO-3 starts from the folder with its logits."""
     root, x, report = runs["root"], runs["x"], []
     with safe_open(str(root / "hf" / "model.safetensors"), "pt") as f:
         hub = sorted(f.keys())
-    for strategy, got in (("single", runs["single"][1]), ("ddp", runs["pair"][0][0])):
+    runs_of = {"single": runs["single"][1], **{s: runs["pair"][0][i] for i, s in enumerate(EXPORTED)}}
+    for strategy, got in runs_of.items():
         records = [json.loads(line) for line in (root / "train" / strategy / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == [1, 2] and all(r["balance_loss"] > 1.0 for r in records)
         assert [r["loss"] for r in records] == pytest.approx(got["losses"], abs=1e-6)
@@ -222,30 +227,36 @@ def test_every_run_trains_and_exports_the_hub_layout(runs, capsys):
         diff = (hf_logits(model.eval(), x) - ours).abs().max().item()
         report.append(f"export {strategy:6s} max |logit diff| {diff:.1e}")
         assert diff <= TOL, report[-1]
-    diff = (runs["pair"][0][1]["logits"] - hf_logits(runs["hf"], x)).abs().max().item()
+    diff = (runs["pair"][0][len(EXPORTED)]["logits"] - hf_logits(runs["hf"], x)).abs().max().item()
     report.append(f"import zero3  max |logit diff| {diff:.1e}")
     assert diff <= TOL, report[-1]
     with capsys.disabled():
         print("\n" + "\n".join(report))
 
 
-def test_sequence_balance_is_the_same_at_any_micro_batch_and_world_size(runs):
+def test_sequence_balance_is_the_same_at_any_micro_batch_and_world_size(runs, capsys):
     """balance: sequence (the default) with router_aux_loss_coef 0.02 from the folder: one process at micro
-    batch 2 (6 accumulation steps) and at 4 (3), and ddp on 2 ranks at 2 (3), train the same two steps: the
-    same LM losses and balance losses, the second step's after an update that the balance loss is part of."""
+    batch 2 (6 accumulation steps) and at 4 (3), and ddp, zero3 and fsdp on 2 ranks at 2 (3), train the same
+    two steps: the same LM losses and balance losses, the second step's after an update that the balance
+    loss is part of."""
     root = runs["root"]
     got = {run: [json.loads(line) for line in (root / "train" / run / "metrics.jsonl").read_text().splitlines()]
-           for run in ("single", "mb4", "ddp")}
-    for run in ("mb4", "ddp"):
-        for a, b in zip(got["single"], got[run]):
-            assert abs(a["loss"] - b["loss"]) <= TOL and abs(a["balance_loss"] - b["balance_loss"]) <= TOL, (run, a, b)
+           for run in ("single", "mb4", *EXPORTED)}
+    report = []
+    for run in ("mb4", *EXPORTED):
+        loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(got["single"], got[run]))
+        balance = max(abs(a["balance_loss"] - b["balance_loss"]) for a, b in zip(got["single"], got[run]))
+        report.append(f"{run:6s} vs single: max |loss diff| {loss:.1e}, max |balance_loss diff| {balance:.1e}")
+        assert len(got[run]) == 2 and loss <= TOL and balance <= TOL, report[-1]
+    with capsys.disabled():
+        print("\n" + "\n".join(report))
 
 
 def test_zero3_finishes_when_ranks_route_to_different_experts(runs):
     """ZeRO-3 at world 2, rank 0's tokens routed to experts rank 1's never see (in every block, at the first
     step): both steps finish (a hang would fail the call's timeout), nothing registered by the user. The
     stacked experts are one module's two parameters: every rank fetches the same tensors in the same order."""
-    r0, r1 = (rank[2] for rank in runs["pair"])
+    r0, r1 = (rank[-1] for rank in runs["pair"])
     assert len(r0["experts"]) == len(r1["experts"]) == 2
     assert all(not set(a) & set(b) for a, b in zip(r0["experts"], r1["experts"])), (r0["experts"], r1["experts"])
     assert len(r0["losses"]) == len(r1["losses"]) == 2

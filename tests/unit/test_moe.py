@@ -111,3 +111,19 @@ def test_adapters_leave_the_router_and_the_experts_alone():
                                           r"blocks; did you mean 'gate_proj'\? its linear layers are down_proj, "
                                           r"gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj \(or all-linear\)$"):
         load_config(None, MOE + ["model.moe.mlp_only_layers=[1]", "model.lora.rank=4", "model.lora.targets=[gate]"])
+
+
+def test_a_resume_at_another_micro_batch_says_what_it_changes_in_micro_batch_mode(tmp_path):
+    """model.moe.balance=micro_batch: a resume at another train.micro_batch_size says, in its start-up line,
+    that the balance loss (and so what is trained) changes with it; sequence mode has nothing to say."""
+    from zerodp.trainer.resume import carry_over
+
+    for balance, said in (("micro_batch", True), ("sequence", False)):
+        cfg = load_config(None, MOE + [f"model.moe.balance={balance}", "train.micro_batch_size=4"])
+        saved = json.loads(json.dumps(cfg.to_dict()))
+        saved["train"]["micro_batch_size"] = 2
+        carried = carry_over(cfg, tmp_path, {"step": 10, "config": saved}, {"samples": 160}, False)
+        note = [s for s in carried.said if "balance" in s]
+        assert note == ([("train.micro_batch_size=2 there, 4 here with model.moe.balance=micro_batch: the balance "
+                          "loss is taken over each micro batch of 4 sequences, so the micro batch size changes what "
+                          "is trained (model.moe.balance=sequence does not)")] if said else [])

@@ -45,7 +45,7 @@ from zerodp.trainer.preflight import (
     resolve_strategy,  # noqa: F401  (tests and the config's docs name it here)
 )
 from zerodp.trainer.records import Records, log
-from zerodp.trainer.resume import keep_config, keep_superseded, new_folder_beside
+from zerodp.trainer.resume import keep_config, keep_superseded, micro_batch_balance_note, new_folder_beside
 from zerodp.trainer.sample import sample
 from zerodp.trainer.validate import evaluate
 
@@ -194,6 +194,9 @@ def open_run_folder(env: DistEnv, ready: Ready) -> None:
         log(env, f"{what}, the planner's table:\n" + plan.table())
         if ready.searched:
             log(env, micro_batch_line(plan))
+            if said := micro_batch_balance_note(cfg, None, "train.micro_batch_size=auto chose "
+                                                           f"{cfg.train.micro_batch_size}"):
+                log(env, said)
 
 
 def set_up(cfg: Config, env: DistEnv, grad_accum: int):

@@ -19,9 +19,6 @@ import torch
 from zerodp.convert.source import CheckpointSource, TensorInfo
 from zerodp.models.arch import FAMILIES, spec_of
 
-_PER_EXPERT = re.compile(r"(.*\.)(\d+)\.mlp\.experts\.(\d+)\.(.+)")
-"""<prefix>.<layer>.mlp.experts.<j>.<part>"""
-
 
 def _tables() -> dict[str, dict]:
     return {f: spec_of(f).EXPERTS for f in FAMILIES if getattr(spec_of(f), "EXPERTS", None)}
@@ -126,25 +123,31 @@ class Stacked(_View):
         return None if name in self.groups else self.inner.locate(name, kind)
 
 
+def _container(inside: str) -> str:
+    """The module holding the experts, from a stacked name inside a block: `mlp.experts.gate_up_proj` ->
+    `mlp.experts` (the per-expert tensors are `<block>.mlp.experts.<j>.<part>`)."""
+    return inside.rpartition(".")[0]
+
+
 def stacked(source: CheckpointSource) -> CheckpointSource:
     """`source` with every complete set of per-expert tensors of a family's EXPERTS table presented as the
     stacked parameter (`model.layers.3.mlp.experts.gate_up_proj` (E, 2I, C) from experts 0..E-1's gate_proj
     and up_proj); `source` itself when it holds none."""
     names = source.param_names()
-    found: dict[tuple[str, str, int], set] = {}  # (prefix, layer, j) -> parts present
-    for n in names:
-        if m := _PER_EXPERT.fullmatch(n):
-            found.setdefault((m[1], m[2], int(m[3])), set()).add(m[4])
-    if not found:
-        return source
     for table in _tables().values():
         groups = {}
-        for prefix, layer in sorted({(p, i) for p, i, _ in found}):
-            count = 1 + max(j for p, i, j in found if (p, i) == (prefix, layer))
-            for inside, parts in table.items():
-                if all(set(parts) <= found.get((prefix, layer, j), set()) for j in range(count)):
-                    groups[f"{prefix}{layer}.{inside}"] = [[f"{prefix}{layer}.mlp.experts.{j}.{p}" for p in parts]
-                                                           for j in range(count)]
+        for inside, parts in table.items():
+            container = _container(inside)
+            pattern = re.compile(rf"(.*)\.{re.escape(container)}\.(\d+)\.(.+)")  # <block>.<container>.<j>.<part>
+            found: dict[str, dict[int, set]] = {}  # block -> expert -> parts present
+            for n in names:
+                if (m := pattern.fullmatch(n)) and m[3] in parts:
+                    found.setdefault(m[1], {}).setdefault(int(m[2]), set()).add(m[3])
+            for block, experts in found.items():
+                count = 1 + max(experts)
+                if all(set(parts) <= experts.get(j, set()) for j in range(count)):
+                    groups[f"{block}.{inside}"] = [[f"{block}.{container}.{j}.{p}" for p in parts]
+                                                   for j in range(count)]
         if groups:
             return Stacked(source, table, groups)
     return source
@@ -192,15 +195,15 @@ def split_shapes(a, shapes: dict[str, tuple]) -> tuple[dict[str, tuple], dict[st
     table = getattr(a.spec, "EXPERTS", None) or {}
     out, parts = {}, {}
     for name, shape in shapes.items():
-        prefix, _, inside = name.partition(".mlp.experts.")
-        key = "mlp.experts." + inside
-        if not inside or key not in table:
+        inside = next((k for k in table if name.endswith("." + k)), None)
+        if inside is None:
             out[name] = shape
             continue
-        E, rows = shape[0], shape[1] // len(table[key])
+        block = name[: -len(inside) - 1]
+        E, rows = shape[0], shape[1] // len(table[inside])
         for j in range(E):
-            for p, part in enumerate(table[key]):
-                n = f"{prefix}.mlp.experts.{j}.{part}"
+            for p, part in enumerate(table[inside]):
+                n = f"{block}.{_container(inside)}.{j}.{part}"
                 out[n] = (rows, *shape[2:])
                 parts[n] = (name, j, p * rows, rows)
     return out, parts

@@ -3,6 +3,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.harness import gpu_skip_reason, pin_cpu
 from tests.support.shards import SHARD_ENV, keep
@@ -12,6 +13,15 @@ os.environ.setdefault("ZERODP_CACHE", str(Path(tempfile.gettempdir()) / "zerodp-
 # The tests run on the CPU on any machine (a GPU machine's included): CUDA is hidden from this process
 # before anything uses it, and from every process it starts. Only @pytest.mark.gpu tests see GPUs.
 pin_cpu(os.environ)
+# One intra-op thread for this process and every process it starts (OMP_NUM_THREADS, as base_env gives the
+# ranks): the suite runs several processes per core (two shares, their ranks), and torch's threads spin
+# waiting for each other on a busy core: a forward pass took 8x the CPU time on 2 threads as on 1 beside
+# the other share. The tests of thread sizing pass their own environment (size_threads(environ)).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# torch.compile's inductor compiles in this process, not in a pool of worker processes it would start (each
+# importing torch) for every process that compiles; the kernels are the same.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_configure(config):

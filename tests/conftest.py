@@ -19,9 +19,6 @@ pin_cpu(os.environ)
 # the other share. The tests of thread sizing pass their own environment (size_threads(environ)).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-# torch.compile's inductor compiles in this process, not in a pool of worker processes it would start (each
-# importing torch) for every process that compiles; the kernels are the same.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_configure(config):

@@ -98,7 +98,7 @@ def base_env(world_size: int, port: int | None = None) -> dict:
     pin_cpu(env)
     env.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()), WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
         ZERODP_CACHE=env.get("ZERODP_CACHE", str(Path(tempfile.gettempdir()) / "zerodp-test-cache")),
     )
     return env

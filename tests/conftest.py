@@ -7,6 +7,7 @@ import torch
 
 from tests.support.harness import gpu_skip_reason, pin_cpu
 from tests.support.shards import SHARD_ENV, keep
+from zerodp.cli.allocator import default_allocator
 
 # Tokenized-data cache shared by the test processes (and their children) of one session.
 os.environ.setdefault("ZERODP_CACHE", str(Path(tempfile.gettempdir()) / "zerodp-test-cache"))
@@ -19,6 +20,10 @@ pin_cpu(os.environ)
 # the other share. The tests of thread sizing pass their own environment (size_threads(environ)).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# The allocator setting every zerodp command makes at its start (zerodp.cli.allocator), made once here: a
+# command run in this process (zerodp.cli.commands.main) would otherwise change the environment midway, and
+# every pooled World started before it (tests.support.harness) would be started again for the change.
+default_allocator(os.environ)
 
 
 def pytest_configure(config):

@@ -277,3 +277,59 @@ def test_bf16_base_is_16_bit_frozen_and_sharded(lora):
         assert near(states[stage]["held"]["params"], 2 * (A + B)), states[stage]
     assert near(states["zero3"]["frozen_partition"] * N, B), states["zero3"]  # the base sharded
     assert near(states["zero3"]["held"]["params"], 2 * (A + B) // N), states["zero3"]
+
+
+def test_each_runs_traffic_is_what_it_planned(lora):
+    """Each run's end-of-run "comm/step sent per rank" line within 5% of its plan: zero3 gathers its persistent
+    parameters after every step, the frozen base's too (planned for the adapters alone it was +142% to +212%)."""
+    failures = []
+    for world in RUNS:
+        for got, (model, strategy) in zip(lora[f"w{world}"], RUNS[world]):
+            comm = got["planned"]["comm_bus_bytes"]
+            error = (comm["measured"] - comm["predicted"]) / comm["predicted"]
+            if abs(error) > 0.05:
+                failures.append(f"{model} {strategy} world {world}: predicted {comm['predicted']:,} B, "
+                                f"measured {comm['measured']:,} B ({error:+.1%})")
+    assert not failures, "\n".join(failures)
+
+
+OFFLOAD_AND_FP16 = [("llama", ["strategy.name=zero2", "strategy.offload_optimizer=true"]),
+                    ("gpt2", ["strategy.name=zero3", "strategy.offload_optimizer=true"]),
+                    ("llama", ["strategy.name=zero2", "train.precision=fp16"]),
+                    ("llama", ["strategy.name=zero3", "train.precision=fp16"])]
+FP16_LOSS, FP16_ADAPTERS = 1e-4, 1e-2
+"""fp16 (autocast compute, fp32 master adapters, dynamic loss scale) against the fp32 reference over STEPS steps:
+measured 1.1e-05 (losses) and 2.4e-03 (adapters, Adam's steps of lr 1e-3 on gradients rounded to fp16)."""
+
+
+@pytest.fixture(scope="module")
+def offload_and_fp16(lora):
+    """OFFLOAD_AND_FP16's runs on the module's data, in one call of the pooled world of 2."""
+    runs = [{"overrides": overrides(lora["data"], model, lora["tmp"] / f"extra-{i}") + extra}
+            for i, (model, extra) in enumerate(OFFLOAD_AND_FP16)]
+    return run_distributed("tests.support.workers:train_runs", 2, {"runs": runs})[0]
+
+
+def test_lora_under_offload_optimizer_and_fp16_follows_the_reference(lora, offload_and_fp16):
+    """LoRA under zero2/zero3 with the optimizer offloaded (DeepSpeedCPUAdam over the adapters alone) within
+    1e-5 of the single-process reference, and in fp16 within its band, the frozen base left as it was (held
+    in fp16 under fp16)."""
+    failures = []
+    for got, (model, extra) in zip(offload_and_fp16, OFFLOAD_AND_FP16):
+        ref_losses, ref_weights = reference(str(lora["data"]), model)
+        start = initial(model)
+        fp16 = "train.precision=fp16" in extra
+        adapters = [n for n in ref_weights if is_adapter(n)]
+        loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref_losses))
+        adapter_diff = max((got["weights"][n] - ref_weights[n]).abs().max().item() for n in adapters)
+        moved = min((got["weights"][n] - start[n]).abs().max().item() for n in adapters if "lora_B" in n)
+        base = [n for n in ref_weights if n not in adapters
+                and not torch.equal(got["weights"][n], start[n].half().float() if fp16 else start[n])]
+        line = (f"{model} {' '.join(extra)}: max |loss diff| {loss_diff:.2e}, max |adapter diff| {adapter_diff:.2e}, "
+                f"every lora_B moved by >= {moved:.1e}, base changed: {base}")
+        print(line)
+        losses_ok, adapters_ok = (FP16_LOSS, FP16_ADAPTERS) if fp16 else (TOLERANCE, TOLERANCE)
+        if (len(got["losses"]) != STEPS or loss_diff >= losses_ok or adapter_diff >= adapters_ok or moved < 1e-4
+                or base):
+            failures.append(line)
+    assert not failures, "\n".join(failures)

@@ -143,3 +143,36 @@ def test_zero3_persistent_parameters_are_predicted_within_3_percent():
         got = [m[r]["params"] for m in measured]
         print(f"\nzero3 {precision} params at the default persistence threshold: measured {got}, planner {predicted}")
         assert all(abs(g - predicted) <= 0.03 * predicted for g in got), (precision, got, predicted)
+
+
+def offload_worker(runs: list[list[str]]) -> list[dict]:
+    """On every rank, per list of overrides (on MODEL): measure_states of that config."""
+    from zerodp.distributed.process_group import init_distributed
+
+    env = init_distributed("cpu")
+    return [measure_states(load_config(None, MODEL + extra), env.rank, env.world_size, env.local_rank, env.device)
+            for extra in runs]
+
+
+def test_offloaded_states_match_the_planner_host_with_host():
+    """Under strategy.offload_optimizer (and zero3's offload_params) state_bytes puts what DeepSpeed keeps in
+    host memory under "offloaded", beside the planner's offloaded_bytes, and what stays on the device under
+    params, grads and optim, beside the planner's device figures: each within 5%. Before, the host's states
+    were counted as the device's (zero2 fp32: optimizer state predicted 0, measured 4.821 MiB)."""
+    from zerodp.planner.training import estimate_for_run
+
+    runs = [["strategy.name=zero2", "train.precision=bf16", "strategy.offload_optimizer=true"],
+            ["strategy.name=zero3", "train.precision=fp32", "strategy.offload_optimizer=true",
+             "strategy.offload_params=true"]]
+    measured = run_distributed("tests.distributed.test_planner_validation:offload_worker", WORLD, {"runs": runs})
+    failures = []
+    for r, extra in enumerate(runs):
+        e = estimate_for_run(load_config(None, MODEL + extra), WORLD, 64 * 2**30, "cpu")
+        planned = {"offloaded": e.offloaded_bytes, "params": e.params_bytes + e.persistent_bytes,
+                   "grads": e.grads_bytes, "optim": e.optimizer_bytes + e.engine_master_bytes}
+        for key, predicted in planned.items():
+            got = [m[r][key] for m in measured]
+            print(f"{' '.join(extra)} {key}: measured {got}, planner {predicted:,}")
+            if any(abs(g - predicted) > TOLERANCE * max(predicted, 2**20) for g in got):
+                failures.append(f"{extra} {key}: measured {got}, planner {predicted}")
+    assert not failures, "\n".join(failures)

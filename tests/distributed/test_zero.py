@@ -4,6 +4,10 @@ per-rank state `state_bytes` reports, and fp16's dynamic loss scale (resumed; ex
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -342,3 +346,50 @@ def test_fp16_loss_scale_at_minimum_is_one_line_error(launches):
             "stops the run; use train.precision=bf16 (or fp32), or lower optim.lr"), stage
     assert set(results[0]) == {"zero2", "zero3"}
     assert results[1] == results[0]  # every rank stops at the same step with the same message
+
+
+def test_a_build_lock_left_by_a_stopped_launch_is_one_line_not_a_hang(tmp_path):
+    """The zero2 + offload_optimizer hang on CPU ranks: a launch stopped while DeepSpeed compiled an op (the
+    first offload launch builds cpu_adam for a minute or more; a time limit kills it) leaves torch's lock file
+    in the op's build folder, and every later launch that loads the op polls for that file without end and
+    without a word. Start-up now refuses in one line, naming the file, and leaves it where it is."""
+    from tests.distributed.test_cli import one_line_error
+    from tests.support.harness import ROOT, base_env
+
+    env = base_env(1)
+    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
+        env.pop(k)
+    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "extensions")
+    locks = [tmp_path / "extensions" / op / "lock" for op in ("cpu_adam", "deepspeed_shm_comm")]
+    for lock in locks:  # made 20 minutes ago: past zerodp.strategies.deepspeed_ops.STALE_LOCK_S
+        lock.parent.mkdir(parents=True)
+        lock.write_text("")
+        os.utime(lock, (time.time() - 1200, time.time() - 1200))
+    r = subprocess.run([sys.executable, "-m", "zerodp", "train", "configs/tiny.yaml", *TINY, "strategy.name=zero2",
+                        "strategy.offload_optimizer=true", "train.max_steps=1", f"train.out_dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=90)  # before: no end
+    one_line_error(r, r"^zerodp: error: strategy.name=zero2 with strategy.offload_optimizer=true: DeepSpeed's "
+                      r"build of its C\+\+ op (cpu_adam|deepspeed_shm_comm) is locked by .*/lock \(made 20 min ago\), "
+                      r"and every rank would wait for it without end: .* delete the file \(rm .*/lock\) and launch "
+                      r"again$")
+    assert all(lock.exists() for lock in locks) and not (tmp_path / "run").exists()
+
+
+def test_a_younger_build_lock_is_waited_for_and_said(tmp_path, capsys, monkeypatch):
+    """A lock younger than STALE_LOCK_S is another launch's build or load in progress (a load of a built op
+    holds it for a second or so): waited for, saying so once, not refused."""
+    import threading
+
+    from zerodp.strategies.deepspeed_ops import wait_for_locks
+
+    monkeypatch.delenv("RANK", raising=False)
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    os.utime(lock, (time.time() - 10, time.time() - 10))
+    threading.Timer(1.0, lock.unlink).start()  # the other launch's build ends
+    wait_for_locks("strategy.name=zero2", ["cpu_adam", "deepspeed_shm_comm"], tmp_path)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        f"zerodp: waiting for another launch's build of DeepSpeed's op cpu_adam (its lock {lock}, made 10 s ago; "
+        f"one older than 10 min is taken for a stopped launch's)"), err

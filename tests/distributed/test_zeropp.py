@@ -36,6 +36,7 @@ qwZ/qgZ) - loss(fp32 reference)| over STEPS steps; zero3's own bf16 gap is 0.004
 SHARD_ALL = "strategy.deepspeed.zero_optimization.stage3_param_persistence_threshold=0"
 BASE = TINY + [f"train.global_batch_size={2 * WORLD}", "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.decay_steps=10"]
 HPZ = BASE + ["strategy.name=zero3", f"strategy.hpz_partition_size={NODE}", SHARD_ALL]
+LORA = ["model.lora.rank=4"]  # every linear layer of the blocks
 
 
 def cfg_of(*overrides: str):
@@ -196,11 +197,18 @@ def hpz_run(tmp_path_factory):
          "fresh": False},
         # plain zero3 after hpZ in the same process: DeepSpeed's hpZ group must not carry over
         {"overrides": BASE + ["strategy.name=zero3", SHARD_ALL, "train.max_steps=1", f"train.out_dir={tmp / 'plain'}"]},
+        # LoRA under hpZ: the frozen base's gathers read the secondary copy too
+        {"overrides": HPZ + LORA + [f"train.max_steps={STEPS}", f"train.out_dir={tmp / 'lora'}"]},
     ]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LOCAL_WORLD_SIZE", str(NODE))
         ranks = run_distributed("tests.distributed.test_zeropp:hpz_worker", WORLD, {"runs": runs})
     return ranks, reference_run(load_config(None, BASE + [f"train.max_steps={STEPS}"]))
+
+
+@pytest.fixture(scope="module")
+def lora_reference():
+    return reference_run(load_config(None, BASE + LORA + [f"train.max_steps={STEPS}"]))
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -232,7 +240,7 @@ def test_hpz_gathers_read_a_secondary_copy_split_over_one_node(hpz_run):
 
 def test_hpz_checkpoint_resumes_exactly_and_under_ddp(hpz_run):
     ranks, (ref_losses, ref_weights) = hpz_run
-    full, part, ddp, again, _ = ranks[0]["results"]
+    full, part, ddp, again = ranks[0]["results"][:4]
     assert part["losses"] == full["losses"][: STEPS // 2]
     # hpZ -> hpZ: the same strategy and world, the same bits as the uninterrupted run
     assert again["losses"] == full["losses"][STEPS // 2:] and max_diff(again["weights"], full["weights"]) == 0
@@ -267,3 +275,18 @@ def test_quantized_communication_stays_near_the_reference(tmp_path):
             for label, r in zip(("bf16", "qwZ", "qwZ+qgZ"), results)}
     print(f"max |loss - fp32 reference| over {STEPS} steps: {gaps}")
     assert all(gap < QUANTIZED_BAND for gap in gaps.values()), gaps
+
+
+def test_lora_under_hpz_follows_single_process_adamw(hpz_run, lora_reference):
+    """LoRA under hpZ (issue 45 item 13): the adapters train as the single-process reference trains them, within
+    zero3's 1e-5, the frozen base as it was, and the gathers read the secondary copies of a node."""
+    ranks, _ = hpz_run
+    got, (ref_losses, ref_weights) = ranks[0]["results"][5], lora_reference
+    adapters = [n for n in ref_weights if "lora_" in n]
+    assert adapters and len(got["losses"]) == STEPS
+    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref_losses))
+    weight_diff = max_diff(got["weights"], ref_weights)  # the base: the seeded start in both
+    print(f"LoRA under hpZ: max |loss diff| {loss_diff:.2e}, max |param diff| {weight_diff:.2e}")
+    assert loss_diff < TOLERANCE and weight_diff < TOLERANCE, (loss_diff, weight_diff)
+    built, groups = ranks[0]["secondary"][5]
+    assert built > 0 and groups == [NODE], ranks[0]["secondary"][5]

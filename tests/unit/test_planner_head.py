@@ -89,7 +89,7 @@ def test_plan_flags_for_the_loss_and_the_modes():
     base = ["--model", "llama3.2-1b", "--gpu", "h200", "--micro-batch", "4", "--seq-len", "2048"]
     whole = build(parse(*base, "--loss-chunks", "0", "--activation-checkpointing", "selective"))
     assert whole.workload.loss_chunks == 0 and whole.activation_checkpointing == "selective"
-    assert "activation checkpointing: selective, loss chunks: 0" in whole.table()
+    assert "activation checkpointing: selective, loss: whole logits\n" in whole.table()
     on = build(parse(*base, "--activation-checkpointing", "on"))
     assert on.workload.loss_chunks == "auto" and on.activation_checkpointing == "full"
     with pytest.raises(UserError, match=r"^--loss-chunks 'many' must be 0 \(the whole logits\), a number of chunks "

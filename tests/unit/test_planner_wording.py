@@ -137,3 +137,72 @@ def test_the_choice_is_the_fastest_row_that_fits_offload_rows_included(capsys):
     assert fsdp["fits"] and fsdp["step_s"] > 1.5 * chosen["step_s"]
     assert re.search(rf"^fsdp: fits .*, but slower: predicted {fsdp['step_s']:.0f} s per step vs "
                      rf"{chosen['step_s']:.0f} s for {re.escape(chosen['name'])}", out, re.M), out
+
+
+def test_offloaded_states_are_compared_host_with_host_and_never_as_a_percentage_of_nothing():
+    """The end-of-run lines of a zero2 + offload_optimizer run (fp32, world 2) put 'predicted 0.000 MiB, measured
+    4.821 MiB (+0.0%)' for the optimizer state: the device's prediction beside what the host held."""
+    from zerodp.telemetry.comm import PlanCheck
+
+    lines = PlanCheck.report({
+        "params": {"predicted": 3_370_000, "measured": 3_370_000},
+        "grads": {"predicted": 0, "measured": 0},
+        "optim": {"predicted": 0, "measured": 1_048_576},
+        "offloaded": {"predicted": 20_402_176, "measured": 20_453_376}}).splitlines()
+    assert lines[1:] == [
+        "  parameters per rank on the device: predicted 3.214 MiB, measured 3.214 MiB (+0.0%)",
+        "  gradients per rank on the device: predicted none, measured none",
+        "  optimizer state per rank on the device: predicted none, measured 1.000 MiB: not in the plan",
+        "  offloaded to host memory per rank: predicted 19.457 MiB, measured 19.506 MiB (+0.3%)"]
+
+
+@pytest.mark.parametrize("setting,tokens,vocab,hidden,line", [
+    ("auto", 8 * 128, 256, 128, "whole logits"),  # configs/tiny.yaml: 262,144 logits
+    ("auto", 4 * 2048, 128_256, 2048, "16 chunks of 512 tokens"),  # Llama 3.2 1B at micro batch 4
+    ("auto", 4096, 128_256, 4096, "whole logits"),  # at most 2 x hidden tokens: whole whatever the logits
+    (0, 4 * 2048, 128_256, 2048, "whole logits"),
+    (7, 300, 256, 64, "7 chunks of 42-43 tokens"),  # zerodp.models.loss: chunk i holds tokens N*i//7 to N*(i+1)//7
+    (5000, 300, 256, 64, "300 chunks of 1 tokens"),  # more chunks than tokens: one token each
+])
+def test_the_loss_is_said_as_it_is_computed(setting, tokens, vocab, hidden, line):
+    from zerodp.planner.activations import loss_line
+
+    assert loss_line(setting, tokens, vocab, hidden) == line
+
+
+def test_startup_and_plan_say_how_the_loss_is_computed():
+    """Start-up never said whether the loss ran on the whole logits or in chunks (model.loss_chunks=auto)."""
+    from tests.unit.test_planner import parse
+    from zerodp.config import load_config
+    from zerodp.planner.cli import build
+    from zerodp.telemetry.comm import PlanCheck
+
+    tiny = load_config("configs/tiny.yaml", ["strategy.name=ddp"])
+    assert ("activation checkpointing off, loss: whole logits (model.loss_chunks=auto): comm/step"
+            in PlanCheck(tiny, 2, 64 * 2**30, "cpu").prediction())
+    wide = load_config("configs/tiny.yaml", ["strategy.name=ddp", "model.vocab_size=100000", "model.loss_chunks=3"])
+    assert "activation checkpointing off, loss: 3 chunks of 341-342 tokens: comm/step" in PlanCheck(
+        wide, 2, 64 * 2**30, "cpu").prediction()
+    base = ["--model", "llama3.2-1b", "--gpu", "h200", "--seq-len", "2048"]
+    micro4 = build(parse(*base, "--micro-batch", "4")).table()
+    assert "loss: 16 chunks of 512 tokens (model.loss_chunks=auto)\n" in micro4
+    # a searched micro batch: each row's (Llama 3 8B: at micro batch 1 its 4,096 tokens are at most 2 x hidden)
+    searched = build(parse("--model", "llama3-8b", "--gpus", "8", "--global-batch", "64")).table()
+    assert ("loss: whole logits at micro batch 1; 32 chunks of 512 tokens at micro batch 4 "
+            "(model.loss_chunks=auto)\n") in searched
+
+
+def test_fsdp_offload_is_compared_with_the_host():
+    """fsdp's state_bytes keeps no host key: under its CPUOffloadPolicy the parameter shards, gradients and
+    moments are all the host's, and are compared with offloaded_bytes, not with the device's zeros."""
+    import torch
+
+    from zerodp.config import load_config
+    from zerodp.telemetry.comm import PlanCheck
+
+    cfg = load_config("configs/tiny.yaml", ["strategy.name=fsdp", "strategy.offload_params=true"])
+    check = PlanCheck(cfg, 2, 64 * 2**30, "cpu")
+    got = check.compare(None, {"params": 100, "grads": 20, "optim": 3}, torch.device("cpu"))
+    assert {k: v["measured"] for k, v in got.items()} == {"params": 0, "grads": 0, "optim": 0, "offloaded": 123}
+    assert got["offloaded"]["predicted"] == check.estimate.offloaded_bytes > 0
+    assert "(+" not in PlanCheck.report(got).split("\n")[1]  # no percentage of the device's zero

@@ -78,6 +78,23 @@ def selective_factor(m: ModelSpec, autocast: bool) -> float:
     return (4 if autocast else 2) + matmuls + 2 * m.q_dim / h
 
 
+def loss_line(chunks_setting: int | str, tokens: int, vocab: int, hidden: int) -> str:
+    """How the LM head and its loss run for `tokens` tokens (micro batch x sequence), as the start-up and
+    `zerodp plan` say it: what model.loss_chunks (auto, or a count) resolves to, "whole logits" or "N chunks
+    of M tokens" (zerodp.models.loss splits the tokens as evenly as it can: "of M-(M+1) tokens" when they
+    do not divide)."""
+    chunks = loss_chunks(chunks_setting, tokens, vocab, hidden)
+    if chunks == 0:
+        return "whole logits"
+    low, high = tokens // chunks, -(-tokens // chunks)
+    return f"{chunks:,} chunks of {low:,} tokens" if low == high else f"{chunks:,} chunks of {low:,}-{high:,} tokens"
+
+
+def loss_setting(chunks_setting: int | str) -> str:
+    """What follows `loss_line` when model.loss_chunks chose it: " (model.loss_chunks=auto)", else nothing."""
+    return " (model.loss_chunks=auto)" if chunks_setting == "auto" else ""
+
+
 def head_loss_bytes(m: ModelSpec, tokens: int, precision: str, chunks_setting: int | str,
                     autocast: bool = False) -> int:
     """Bytes the LM head and its loss hold at their peak, with every block's activations still kept, for

@@ -319,12 +319,22 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         offloaded, params_b, grads_b, optim_b = params_b + grads_b + optim_b, 0, 0, 0
     elif layout.offload_optimizer:  # fp32 master + Adam moments and the fp32 gradient shard live on CPU
         offloaded += 16 * math.ceil(T / n)
-        optim_b, master_b = 0, 0
-        grads_b = grads_b if s.zero_stage == 1 else 0  # ZeRO-1 keeps its gradients whole on the GPU
+        if s.zero_stage in (1, 2):  # DeepSpeedZeroOptimizer's host buffers beside them: the 16-bit copy of the
+            # updated partition it sends back, one 16-bit gradient buffer the size of the largest parameter and,
+            # while accumulating, each partition parameter's gradient in the accumulation dtype
+            # (stage_1_and_2.py, cpu_offload; measured, tests/unit/test_planner.py)
+            accumulating = grad_bytes(w.precision, w.grad_reduce_dtype) * math.ceil(T / n) \
+                if w.grad_accum_steps > 1 else 0
+            offloaded += cb * (math.ceil(T / n) + min(model.largest_param, T)) + accumulating
+        elif s.zero_stage == 3:  # the fp32 partition's own gradient buffer beside the gradient partition (stage3.py)
+            offloaded += 4 * math.ceil(T / n)
+        # the gradients go to the host as each bucket is reduced, under ZeRO-1 too: none stay on the device
+        optim_b, master_b, grads_b = 0, 0, 0
     if layout.offload_params and "params" in s.shards and not s.offload_together:
-        offloaded += params_b if w.precision != "fp32" else frozen_b  # in fp32 the master copy is the param
+        offloaded += params_b  # the parameter partitions (fp32 too: DeepSpeed's master is a copy of its own)
         params_b = 0
-    if s.layout == "deepspeed" and w.precision == "bf16" and w.grad_reduce_dtype == "fp32":  # fp32 accumulation:
+    if (s.layout == "deepspeed" and w.precision == "bf16" and w.grad_reduce_dtype == "fp32"
+            and not layout.offload_optimizer):  # fp32 accumulation:
         # zero1 a full fp32 buffer beside the bf16 gradients (BF16_Optimizer; with offload `grad_accum`),
         # zero2/3 their gradient partition in fp32 instead of bf16
         grads_b = grads_b + 4 * T if s.zero_stage == 1 else 2 * grads_b

@@ -5,6 +5,7 @@ The JSON field names are a stable interface, documented in docs/memory_model.md.
 
 from __future__ import annotations
 
+from zerodp.planner.activations import loss_line, loss_setting
 from zerodp.planner.lora import comparison_lines, describe
 from zerodp.planner.memory import MARGIN
 from zerodp.planner.units import gb, human_count, seconds
@@ -42,12 +43,22 @@ def _header(plan) -> list[str]:
         (f"step: global batch {plan.global_batch} sequences x {w.seq_len} tokens, micro batch searched among the "
          f"divisors of {plan.global_batch // c.world_size} per {c.device}, " if plan.global_batch else
          f"step: micro batch {w.micro_batch} x {w.seq_len} tokens x {w.grad_accum_steps} accumulation, ")
-        + f"{w.precision}, activation checkpointing: {ckpt}, loss chunks: {w.loss_chunks}",
+        + f"{w.precision}, activation checkpointing: {ckpt}, loss: {_loss(plan)}",
         f"memory per {c.device} in GB (1e9 bytes); fits = total and startup (start-up peak) within {1 - MARGIN:.0%} "
         f"of {gb(c.gpu.hbm_bytes)}" + (f", start-up host RAM within {gb(c.cpu_ram_bytes)} per node"
                                        if c.cpu_ram_bytes else ""),
     ] + (["async/node: checkpoint.async_save's host copy of each rank's checkpoint on the node of rank 0, held "
           "from the first save to the end of the run"] if plan.async_save else [])
+
+
+def _loss(plan) -> str:
+    """How the head and loss run (zerodp.planner.activations.loss_line), at each micro batch the rows use."""
+    m, w = plan.model, plan.workload
+    micro = sorted({e.micro_batch for e in plan.estimates} or {w.micro_batch})
+    lines = {b: loss_line(w.loss_chunks, b * w.seq_len, m.vocab_size, m.hidden) for b in micro}
+    if len(set(lines.values())) == 1:
+        return lines[micro[0]] + loss_setting(w.loss_chunks)
+    return "; ".join(f"{text} at micro batch {b}" for b, text in lines.items()) + loss_setting(w.loss_chunks)
 
 
 def _cells(e) -> list[str]:

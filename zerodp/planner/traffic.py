@@ -39,7 +39,7 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
     docs/memory_model.md, "Communication per step"). Sizes include each engine's padding; the few scalar
     all-reduces of a step (gradient norm, overflow check) are left out. A LoRA run reduces the adapters'
     gradients only, and DeepSpeed zero1/2 all-gather only the adapters they update; zero3 and fsdp gather the
-    frozen base too (zerodp.planner.lora)."""
+    frozen base too (zerodp.planner.lora), zero3 its persistent parameters after every step as well."""
     c, w = layout.cluster, layout.workload
     n, g = c.world_size, c.gpus_per_node
     if n == 1:
@@ -67,12 +67,13 @@ def collectives(model: ModelSpec, layout: Layout) -> list[Collective]:
         persistent, gathered, regathered = _zero3_elements(model, n, w.zero3_persistence_threshold,
                                                            w.zero3_keep_window)
         reduced = persistent + gathered  # what gets gradients: under LoRA the adapters' elements alone
-        updated = persistent  # the persistent parameters the step changed, gathered again after it
         if model.lora is not None:
             a_persistent, a_gathered, _ = _zero3_elements(model, n, w.zero3_persistence_threshold,
                                                           w.zero3_keep_window, trainable_only=True)
-            reduced, updated = a_persistent + a_gathered, a_persistent
-        after_step = Collective("all-gather persistent parameters", "all", ring(n) * cb * updated, False)
+            reduced = a_persistent + a_gathered
+        # after the optimizer step DeepSpeed gathers every persistent parameter again (stage3's _post_step),
+        # the frozen ones of a LoRA run too, though the step did not change them
+        after_step = Collective("all-gather persistent parameters", "all", ring(n) * cb * persistent, False)
         hpz, qwz, qgz = layout.zeropp
         # ZeRO++: the forward all-gather in int8 (qwZ; one fp32 scale per block, counted per 2048 elements: an
         # upper bound, DeepSpeed 0.19 quantises blocks of up to ~8k), the backward one

@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from zerodp.errors import UserError
@@ -96,13 +97,62 @@ def compiler(environ=os.environ) -> str | None:
     return shutil.which(words[0], path=environ.get("PATH")) if words else None
 
 
+STALE_LOCK_S = 600
+"""A build lock older than this (ten times a build of cpu_adam on a few cores) is taken for one that a stopped
+launch left behind; a younger one for another launch's build or load in progress, waited for."""
+
+
+def locks(names: list[str], root: Path) -> list[Path]:
+    """The lock files in `root` of those of `names` that have one: torch's build of an op (built or not:
+    every load goes through it, for a second or so when the op is built) holds `<root>/<op>/lock`, and every
+    other process that loads the op polls until the file is gone, with no timeout and no word
+    (torch.utils.file_baton.FileBaton)."""
+    return [root / n / "lock" for n in names if (root / n / "lock").exists()]
+
+
+def _age(path: Path) -> float | None:
+    """Seconds since `path` was made (its mtime: torch makes the lock empty and never writes it); None when
+    it is gone."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def wait_for_locks(what: str, names: list[str], root: Path) -> None:
+    """Wait while another launch builds or loads one of `names` (its lock younger than STALE_LOCK_S), saying
+    so once (from rank 0); UserError for a lock older than that: DeepSpeed would wait for it without end."""
+    said = False
+    while held := locks(names, root):
+        age = _age(held[0])
+        if age is None:
+            continue
+        if age > STALE_LOCK_S:
+            raise UserError(f"{what}: DeepSpeed's build of its C++ op {held[0].parent.name} is locked by {held[0]} "
+                            f"(made {_duration(age)} ago), and every rank would wait for it without end: a launch "
+                            f"stopped while it built the op leaves that file behind; unless another launch is "
+                            f"building it now, delete the file (rm {held[0]}) and launch again")
+        if not said and age > 5 and os.environ.get("RANK", "0") == "0":
+            print(f"zerodp: waiting for another launch's build of DeepSpeed's op {held[0].parent.name} (its lock "
+                  f"{held[0]}, made {_duration(age)} ago; one older than {_duration(STALE_LOCK_S)} is taken for "
+                  f"a stopped launch's)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(0.5)
+
+
 def check(strategy: str, offload_optimizer: bool) -> None:
     """UserError when this launch would make DeepSpeed compile an op and there is no C++ compiler (or
-    no ninja, which torch's build runs) to do it."""
-    missing = unbuilt(jit_ops(offload_optimizer), extensions_root())
+    no ninja, which torch's build runs) to do it, or when DeepSpeed would wait without end for a build's
+    lock file. Called before any rank of the launch loads an op (the start-up checks), so a lock then is
+    another launch's: one building or loading the op now (waited for, `wait_for_locks`), or one stopped
+    while it built the op (killed at a time limit, say: the first offload launch compiles cpu_adam for a
+    minute or more on a few cores), whose file nothing will ever remove."""
+    what = f"strategy.name={strategy}" + (" with strategy.offload_optimizer=true" if offload_optimizer else "")
+    names, root = jit_ops(offload_optimizer), extensions_root()
+    wait_for_locks(what, names, root)
+    missing = unbuilt(names, root)
     if not missing:
         return
-    what = f"strategy.name={strategy}" + (" with strategy.offload_optimizer=true" if offload_optimizer else "")
     ops = ", ".join(missing)
     if compiler() is None:
         cxx = os.environ.get("CXX")
@@ -115,6 +165,11 @@ def check(strategy: str, offload_optimizer: bool) -> None:
     if not is_ninja_available():
         raise UserError(f"{what}: DeepSpeed compiles its C++ op {ops} at the first launch with ninja, which is not "
                         f"installed; pip install ninja")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.0f} h"
 
 
 def build_line(offload_optimizer: bool) -> str | None:

@@ -41,6 +41,19 @@ from zerodp.strategies.common import (
 from zerodp.strategies.deepspeed_config import deepspeed_config  # tests and benchmarks read it here too
 from zerodp.strategies.zeropp import check_quantizer, drop_secondary_partitions, hpz_group, ranks_per_node
 
+OFFLOADED_ATTRS = (
+    # DeepSpeedZeroOptimizer (zero1/2) with cpu_offload: the fp32 master partition, the 16-bit staging copy of
+    # it, the host gradient buffers (one the size of the largest parameter; one per parameter of the partition
+    # while accumulating) and the fp32 gradient views; zero3's offloaded optimizer: its fp32 partition and
+    # gradient partition
+    "single_partition_of_fp32_groups", "param_buffer_of_bit16_for_cpu_offload_groups",
+    "temp_grad_buffer_for_cpu_offload", "accumulated_grads_in_cpu", "offload_gradient_dict", "averaged_gradients",
+    "fp32_partitioned_groups_flat", "grad_partitions_flat_buffer",
+    "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+)
+"""The ZeRO optimizer's attributes whose tensors DeepSpeed keeps in host memory under strategy.offload_optimizer
+(deepspeed/runtime/zero/stage_1_and_2.py and stage3.py: device='cpu' where cpu_offload)."""
+
 TAG = "deepspeed"
 """Checkpoint sub-folder: DeepSpeed writes `<ckpt_dir>/deepspeed/*.pt` (no `latest` file)."""
 
@@ -180,7 +193,7 @@ class ZeroStrategy:
                 self._set_part(p, model.initial_values(name, seed, start, stop))
             else:  # one draw: the working copy (rounded to 16 bits) and the exact fp32 master fragment
                 self._set_part(p, model.initial_values(name, seed).view(p.shape))
-        drop_secondary_partitions(self.model.optimizer)
+        drop_secondary_partitions(self.module)
 
     def _set_part(self, p: nn.Parameter, values: torch.Tensor, kind: str = "param") -> None:
         """Write `values` (ZeRO-3: this rank's partition of the flattened parameter, `_partition_range`;
@@ -259,27 +272,39 @@ class ZeroStrategy:
         """Bytes of the distinct storages this rank holds, found by walking the module's parameters
         (their data, ZeRO-3 `ds_tensor` partitions, hpZ's secondary ones, and grads), every tensor attribute of
         DeepSpeed's ZeRO optimizer (named by `zero_attr_kind`) and the AdamW state. A storage is counted once,
-        under the
-        first of params, optim, buckets, grads, buffers that reaches it: a gradient copied into a
-        reduce bucket counts as the bucket, so 'grads' is the gradients themselves and 'buckets' is what
-        the planner calls bucket_bytes. Tensors offloaded to CPU memory count too (see
-        docs/strategies.md for what each key holds per stage)."""
-        found: dict[str, list] = {"params": [], "optim": [], "buckets": [], "grads": [], "buffers": []}
+        under the first of offloaded, params, optim, buckets, grads, buffers that reaches it: a gradient copied
+        into a reduce bucket counts as the bucket, so 'grads' is the gradients themselves and 'buckets' is what
+        the planner calls bucket_bytes. 'offloaded' is what DeepSpeed keeps in host memory because of
+        strategy.offload_optimizer (the fp32 master partition and its gradient, AdamW's moments, the host
+        staging and accumulation buffers, `OFFLOADED_ATTRS`) and strategy.offload_params (the parameter
+        partitions): the planner's offloaded_bytes, the rest its device figures, on a CPU device too, where
+        both are host memory; only under offload (see docs/strategies.md for what each key holds per stage)."""
+        s = self.ctx.cfg.strategy
+        offloaded_attrs = OFFLOADED_ATTRS if s.offload_optimizer else ()
+        found: dict[str, list] = {"offloaded": [], "params": [], "optim": [], "buckets": [], "grads": [],
+                                  "buffers": []}
         for p in self.module.parameters():
             # hpZ's secondary partition exists from a gather until the step after it drops it
-            found["params"] += [p.data, getattr(p, "ds_tensor", None), getattr(p, "ds_secondary_tensor", None)]
+            partition = getattr(p, "ds_tensor", None)
+            found["offloaded" if s.offload_params else "params"].append(partition)
+            found["params"] += [p.data, getattr(p, "ds_secondary_tensor", None)]
             found["grads"].append(p.grad)
         for attr, value in vars(self.model.optimizer).items():
+            kind = "offloaded" if attr in offloaded_attrs else zero_attr_kind(attr)
+            if attr == "temp_grad_buffer_for_gpu_offload":  # the device side of the offload's staging
+                kind = "buckets"
             for t in zero_tensors(value):
-                found[zero_attr_kind(attr)].append(t)
+                found[kind].append(t)
                 if t.is_leaf and t.grad is not None:  # the fp32 partitions' grads during step()
-                    found["grads"].append(t.grad)
-        found["optim"] += list(optimizer_state_tensors(self.optimizer))
+                    found["offloaded" if kind == "offloaded" else "grads"].append(t.grad)
+        found["offloaded" if s.offload_optimizer else "optim"] += list(optimizer_state_tensors(self.optimizer))
         held, seen, before = {}, [], 0
-        for key in ("params", "optim", "buckets", "grads", "buffers"):
+        for key in ("offloaded", "params", "optim", "buckets", "grads", "buffers"):
             seen += found[key]
             total = tensor_bytes(seen)
             held[key], before = total - before, total
+        if not (s.offload_optimizer or s.offload_params):
+            del held["offloaded"]  # nothing is: the start-up line names no host memory
         return held
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -350,7 +375,7 @@ class ZeroStrategy:
                 for kind in kinds:
                     full = state.get(name, kind, shape)
                     self._set_part(p, full.flatten()[start:stop] if self.stage == 3 else full, kind)
-        drop_secondary_partitions(self.model.optimizer)
+        drop_secondary_partitions(self.module)
         self._skipped_steps = _skipped_steps(state.source) if state.with_optimizer else 0
 
     def resume_at(self, step: int) -> None:

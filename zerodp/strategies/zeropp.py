@@ -102,10 +102,13 @@ def hpz_group(size: int):
     return groups._get_zero_param_intra_parallel_group()
 
 
-def drop_secondary_partitions(zero_opt) -> None:
+def drop_secondary_partitions(module) -> None:
     """hpZ (zero_hpz_partition_size > 1) keeps a second copy of each ZeRO-3 partition, split over the
     ranks of one node, built from the parameter when it was first partitioned; the next forward gathers
-    from it. After zerodp wrote the primary partitions (`ds_tensor`) that copy is stale: dropped here,
-    as DeepSpeed itself drops it after every step, it is rebuilt from the new values at the next gather."""
-    if hasattr(zero_opt, "invalidate_secondary_tensor"):  # ZeRO-3's optimizer; ZeRO-1/2 keep no copy
-        zero_opt.invalidate_secondary_tensor()
+    from it. After zerodp wrote the primary partitions (`ds_tensor`) that copy is stale: dropped here for
+    every parameter of `module` (DeepSpeed's own invalidate_secondary_tensor drops the optimizer's alone,
+    and a LoRA run's frozen base would go on gathering the values of before zerodp wrote them), and
+    rebuilt from the new values at the next gather. ZeRO-1/2 keep no copy."""
+    for p in module.parameters():
+        if getattr(p, "ds_secondary_tensor", None) is not None:
+            p.ds_secondary_tensor = None

@@ -221,9 +221,15 @@ class PlanCheck:
 
     def prediction(self) -> str:
         """One line: the run as the planner sees it, and what it predicts per step and per rank."""
-        e, t = self.estimate, self.cfg.train
+        from zerodp.planner.activations import loss_line, loss_setting
+        from zerodp.planner.models import spec_from_model_config
+
+        e, t, m = self.estimate, self.cfg.train, self.cfg.model
+        spec = spec_from_model_config(m)  # the head's widths, as the model has them (an hf_config's too)
+        loss = (loss_line(m.loss_chunks, t.micro_batch_size * m.block_size, spec.vocab_size, spec.hidden)
+                + loss_setting(m.loss_chunks))
         return (f"plan for this run: {e.name} on {self.world_size} rank(s), micro batch {t.micro_batch_size}, "
-                f"{t.precision}, activation checkpointing {e.activation_checkpointing}: "
+                f"{t.precision}, activation checkpointing {e.activation_checkpointing}, loss: {loss}: "
                 f"comm/step {_mib(e.comm_bytes)} sent per rank, model states {_mib(_planned_states(e))} and "
                 f"{_mib(e.total_bytes)} in all per rank, step {e.step_s:.3g}s")
 
@@ -239,7 +245,14 @@ class PlanCheck:
             out["comm_bus_bytes"] = {"predicted": e.comm_bytes, "measured": comm["comm_bus_bytes"]["total"]}
         planned = {"params": e.params_bytes + e.persistent_bytes, "grads": e.grads_bytes + e.unsharded_grads_bytes,
                    "optim": e.optimizer_bytes + e.engine_master_bytes}  # DeepSpeed's fp32 master is under optim
+        held = dict(held)
+        if e.offloaded_bytes and "offloaded" not in held:  # a strategy whose state_bytes keeps no host key
+            # offloads all three (fsdp's CPUOffloadPolicy: parameter shards, gradients, moments)
+            held["offloaded"] = sum(held.get(k, 0) for k in planned)
+            held.update({k: 0 for k in planned})
         out.update({k: {"predicted": v, "measured": held.get(k, 0)} for k, v in planned.items()})
+        if e.offloaded_bytes or held.get("offloaded"):  # host memory beside host memory, device beside device
+            out["offloaded"] = {"predicted": e.offloaded_bytes, "measured": held.get("offloaded", 0)}
         if device.type == "cuda":  # what the allocator saw: everything the planner counts but the CUDA context
             if peaks is not None:
                 out["startup_peak_allocated_bytes"] = {"predicted": e.startup_bytes - e.overhead_bytes,
@@ -257,13 +270,20 @@ class PlanCheck:
                  "startup_peak_allocated_bytes": "allocated at the start-up peak per rank",
                  "peak_allocated_bytes": "peak allocated per rank"}  # the steps' (benchmarks read this line)
         lines = ["predicted vs measured:"]
+        offload = "offloaded" in compared
+        if offload:  # the three states as the device holds them, the rest in their own line
+            names.update({k: names[k] + " on the device" for k in ("params", "grads", "optim")})
+            names["offloaded"] = "offloaded to host memory per rank"
         for key, v in compared.items():
-            if key == "grads" and not v["measured"]:
-                lines.append(f"  {names[key]}: predicted {_mib(v['predicted'])} at the peak, freed between steps")
-                continue
-            error = (v["measured"] - v["predicted"]) / v["predicted"] if v["predicted"] else 0.0
-            lines.append(f"  {names[key]}: predicted {_mib(v['predicted'])}, measured {_mib(v['measured'])} "
-                         f"({error:+.1%})")
+            predicted, measured = v["predicted"], v["measured"]
+            if key == "grads" and not measured and predicted:
+                lines.append(f"  {names[key]}: predicted {_mib(predicted)} at the peak, freed between steps")
+            elif not predicted:  # no percentage of nothing
+                lines.append(f"  {names[key]}: predicted none, measured "
+                             + (f"{_mib(measured)}: not in the plan" if measured else "none"))
+            else:
+                lines.append(f"  {names[key]}: predicted {_mib(predicted)}, measured {_mib(measured)} "
+                             f"({(measured - predicted) / predicted:+.1%})")
         return "\n".join(lines)
 
 

@@ -61,8 +61,10 @@ class Preference:
 
     def __call__(self, model, batch: tuple, micro_batches, **keyed) -> torch.Tensor:
         x, y, rest = batch[0], batch[1], batch[2:]
-        policy, tokens = completion_logps(model(x, None, *rest, **keyed), y)   # (B,), (B,)
+        # the reference first: what the policy's forward leaves on the model (a mixture of experts' aux_loss,
+        # which the loop adds) is then the policy's, also where the reference is the policy with adapters off
         reference = self.reference_logps(model, batch) if self.mode else None
+        policy, tokens = completion_logps(model(x, None, *rest, **keyed), y)   # (B,), (B,)
         loss, stats = batch_loss(self.cfg.dpo, policy, reference, tokens, micro_batches.pairs,
                                  micro_batches.chosen_tokens)
         done = micro_batches.step + 1

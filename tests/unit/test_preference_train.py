@@ -30,7 +30,9 @@ def preference_folder(path, pairs=40, seed=0):
     docs = np.random.default_rng(seed).integers(6, 30, size=2 * pairs).tolist()
     folder = write_prepared(path, docs, docs[:8], targets=[0.5, 0.3, 0.8])
     meta = json.loads((folder / "meta.json").read_text())
-    meta["preference"] = {"rows": pairs + 4}
+    meta["preference"] = {"rows": pairs + 4, "skipped": {"missing_field": 4, "empty_completion": 0}}
+    for split, n in (("train", pairs), ("val", 4)):
+        meta["splits"][split]["pairs"] = n
     (folder / "meta.json").write_text(json.dumps(meta))
     return folder
 
@@ -57,12 +59,14 @@ def test_the_wrong_data_for_the_objective_is_one_line_exit_2_and_nothing_written
     assert not out.exists()
 
 
-def test_a_dpo_run_starts_at_ln2_and_logs_trls_metrics(folder, tmp_path, group):
+def test_a_dpo_run_starts_at_ln2_and_logs_trls_metrics(folder, tmp_path, group, capsys):
     from zerodp.trainer.loop import train
 
     cfg = load_config(None, dpo(folder, "strategy.name=single", "train.max_steps=3", f"train.out_dir={tmp_path}",
                                 "optim.lr=1e-3", "dpo.beta=0.5", "train.eval_every=1", "train.eval_batches=2"))
     summary = train(cfg, fresh=True)
+    assert "(40 preference pairs in train, 4 in val; 4 rows of 44 skipped at prepare: 4 missing field)" in \
+        capsys.readouterr().err
     assert summary["losses"][1] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference at step 0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(k in r for r in records for k in STATS)

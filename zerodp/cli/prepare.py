@@ -131,6 +131,10 @@ def _preference_summary(meta: dict, out: str) -> int:
           f"{plural(tr['tokens'], 'token')} ({tr['targets']:,} completion tokens), val {plural(va['pairs'], 'pair')} "
           f"/ {plural(va['tokens'], 'token')}; {'; '.join(left) if left else 'no row skipped'} "
           f"({meta['seconds']:.1f} s)")
+    if va["pairs"] == 0 and meta["val_fraction"] > 0:
+        print(f"zerodp: note: no pair fell in val.bin (--val-fraction {meta['val_fraction']}, "
+              f"{plural(tr['pairs'], 'pair')}); raise it for validation pairs, or train with train.eval_every=0",
+              file=sys.stderr)
     return 0
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -78,6 +80,12 @@ def test_a_dpo_run_starts_at_ln2_and_logs_trls_metrics(folder, tmp_path, group, 
     assert last["rewards/chosen"] != 0.0 and last["loss"] != pytest.approx(math.log(2), abs=1e-4)
     assert "rewards/chosen" not in (tmp_path / "config.yaml").read_text()  # the metrics, not the config
     assert not any(p.name.startswith("reference") for p in (tmp_path / "checkpoints").rglob("*"))
+    # zerodp eval computes cross-entropy, not the run's DPO figures: refused in one line (its own process: an
+    # error under this test's process group would leave the process)
+    r = subprocess.run([sys.executable, "-m", "zerodp", "eval", str(tmp_path)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "trained with train.objective=dpo, whose val_loss and val_rewards/* the run logged" in r.stderr
 
 
 @pytest.mark.parametrize("world,micro", [(1, 12), (1, 2), (2, 2), (2, 6), (3, 4), (3, 2)])

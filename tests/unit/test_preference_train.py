@@ -18,7 +18,7 @@ from tests.conftest import TINY
 from tests.support.cli_checks import one_line_error
 from tests.support.sampler_workers import write_prepared
 from zerodp.cli.commands import main
-from zerodp.config import ConfigError, load_config
+from zerodp.config import ConfigError, UserError, load_config
 from zerodp.data.batches import TokenBatches, load_tokens
 from zerodp.models import build_model
 from zerodp.models.preference import STATS, batch_loss, completion_logps
@@ -137,7 +137,6 @@ def test_adapters_off_is_exactly_the_base(folder):
     ("dpo.label_smoothing=0.5", r"dpo.label_smoothing=0.5 must be in \[0, 0.5\)"),
     ("dpo.simpo_gamma=1", r"dpo.simpo_gamma=1.0 applies to dpo.loss=simpo"),
     ("train.micro_batch_size=3", r"train.micro_batch_size=3 would split a preference pair"),
-    ("dpo.reference=precomputed", r"dpo.reference=precomputed is not built yet"),
     ("strategy.name=auto", r"strategy.name=auto cannot choose for it; name the strategy"),
     ("data.packing=true", r"train.objective=dpo takes one sequence a row"),
 ])
@@ -171,3 +170,41 @@ def test_zerodp_verify_passes_on_a_dpo_config(folder, tmp_path, group):
     code = main(["verify", "configs/tiny.yaml", *dpo(folder, f"train.out_dir={tmp_path / 'run'}", "optim.lr=1e-2"),
                  "--against", "train.micro_batch_size=6", "--steps", "2"])
     assert code == 0
+
+
+def test_precomputed_reference_log_probs_give_the_live_trajectory_and_are_refused_once_stale(tmp_path, group):
+    """dpo.reference=precomputed: one pass at step 0 writes every pair's reference log-probs beside the data;
+    the run then follows the live reference's within 1e-5 (train and validation); a second run reads the
+    file; changed data, or a resume without the file, is refused in one line."""
+    from zerodp.trainer.loop import train
+
+    data = preference_folder(tmp_path / "pairs")
+
+    def run(out, reference, steps=3, fresh=True):
+        cfg = load_config(None, dpo(data, f"train.max_steps={steps}", f"train.out_dir={out}", "optim.lr=1e-2",
+                                    "train.eval_every=3", "train.eval_batches=2", f"dpo.reference={reference}",
+                                    "checkpoint.every=0"))
+        summary = train(cfg, fresh=fresh, return_weights=True)
+        return summary, [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+    live, live_metrics = run(tmp_path / "live", "live")
+    pre, pre_metrics = run(tmp_path / "pre", "precomputed")
+    assert (data / "reference_logps.npz").is_file() and (data / "reference_logps.json").is_file()
+    for step in (1, 2, 3):
+        assert pre["losses"][step] == pytest.approx(live["losses"][step], abs=1e-5)
+    assert pre_metrics[-1]["val_loss"] == pytest.approx(live_metrics[-1]["val_loss"], abs=1e-5)
+    assert pre_metrics[-1]["val_rewards/margins"] == pytest.approx(live_metrics[-1]["val_rewards/margins"], abs=1e-5)
+    with np.load(data / "reference_logps.npz") as t:
+        assert t["train"].shape == (80,) and (t["train"] < 0).all()
+    again, _ = run(tmp_path / "again", "precomputed")  # reads the file: the same numbers
+    assert again["losses"] == pre["losses"]
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "seed": 5}))  # the data prepared again, differently
+    with pytest.raises(UserError, match=r"reference_logps.npz holds reference log-probs of other weights or data "
+                                        r"\(the data changed since\); move reference_logps.npz and .json out of"):
+        run(tmp_path / "stale", "precomputed")
+    (data / "meta.json").write_text(json.dumps(meta))
+    for name in ("reference_logps.npz", "reference_logps.json"):
+        (data / name).rename(tmp_path / name)
+    with pytest.raises(UserError, match=r"reference_logps.npz is not there, and this run resumes at step 3"):
+        run(tmp_path / "pre", "precomputed", steps=4, fresh=False)

@@ -340,9 +340,10 @@ class DpoConfig:
     reference: Optional[str] = None
     """The model the policy's log-ratios are taken against: live (a frozen copy of the starting weights, held
     under the run's strategy, sharded as the policy under zero3/fsdp, never updated or saved; not with
-    strategy.name=auto); adapters-off (model.lora: the base with the adapters
-    switched off, no copy); precomputed (not built yet). null: adapters-off with model.lora, else live; none
-    for simpo, which takes no reference."""
+    strategy.name=auto); adapters-off (model.lora: the base with the adapters switched off, no copy);
+    precomputed (one pass at step 0 writes every pair's reference log-probs beside the data, keyed by the
+    reference's and the data's sha256; training then holds no reference). null: adapters-off with
+    model.lora, else live; none for simpo, which takes no reference."""
 
 
 @dataclass

@@ -262,8 +262,6 @@ def check_reference(cfg: Config) -> None:
     d = type(d)(**{**vars(d), "reference": dpo_reference(cfg)})  # the checks below apply to the one resolved
     if d.reference is None:
         return
-    if d.reference == "precomputed":
-        raise ConfigError("dpo.reference=precomputed is not built yet; use live, or adapters-off with model.lora")
     if d.reference == "adapters-off" and not cfg.model.lora:
         raise ConfigError("dpo.reference=adapters-off switches model.lora's adapters off; without model.lora use "
                           "dpo.reference=live")

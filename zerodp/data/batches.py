@@ -280,6 +280,8 @@ class TokenBatches:
             counts = self.target_counts(offsets)
             out.targets, out.pairs, out.chosen_tokens = int(counts.sum()), global_batch // 2, int(counts[0::2].sum())
             out.parts = global_batch // micro
+            mine_docs = self.locate(step, global_batch).sample[rank * per_rank : (rank + 1) * per_rank]
+            out.documents = [mine_docs[i : i + micro] for i in range(0, per_rank, micro)]
         elif not self.packing or any(s.mask is not None for s in self.streams):
             counts = self.target_counts(offsets)  # every row of the global batch: no collective needed
             total, parts = int(counts.sum()), global_batch // micro  # parts: world x accumulation
@@ -363,6 +365,9 @@ class MicroBatches(list):
     """train.objective=dpo: the global batch's preference pairs (rows / 2)..."""
     chosen_tokens: int = 0
     """...its chosen completions' tokens (the RPO term's count)..."""
+    documents: list[np.ndarray] | None = None
+    """train.objective=dpo: per micro batch its rows' document numbers in the split (the precomputed
+    reference log-probs are looked up by them)."""
     parts: int = 1
     """...and its micro batches, world x accumulation: each micro batch's loss is its pairs' share of the
     global pair mean, times parts, which the strategies' mean over the parts undoes."""

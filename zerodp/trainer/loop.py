@@ -123,7 +123,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False, from_c
     guards = Guards(cfg, env, strategy.gathers_in_forward, start)
     steps = Steps(cfg, env, strategy, checkpointer, records, guards)
     steps.config_from = ready.start.carried.config_from
-    steps.objective = make_objective(cfg, env, ready.grad_accum)  # None: SFT, the model's own loss
+    # None: SFT, the model's own loss
+    steps.objective = make_objective(cfg, env, ready.grad_accum, strategy, (ready.train_data, ready.val_data), start)
     try:
         with guards.watching(start, checkpointer, records.say):
             steps.run(ready.train_data, ready.val_data, start)

@@ -8,40 +8,15 @@ arithmetic; the formulas, and the measurement they are calibrated on, are in doc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from zerodp.models.chunking import CHECKPOINTING, loss_chunks
+from zerodp.models.chunking import loss_chunks
 from zerodp.planner.lora import adapter_activation_bytes
+from zerodp.planner.types import Checkpointing, ModelSpec, Workload
 from zerodp.planner.units import COMPUTE_BYTES
-
-if TYPE_CHECKING:
-    from zerodp.planner.memory import Workload
-    from zerodp.planner.models import ModelSpec
 
 SELECTIVE_RECOMPUTE = 0.1
 """Share of the forward's time outside the matmuls and attention (norms, rotary, activation, residual adds,
 casts): what selective checkpointing runs again in the backward. An estimate (element-wise kernels are
 memory-bound; profiles of Llama-sized blocks put them near a tenth of the forward), not a measurement."""
-
-
-class Checkpointing(str):
-    """An activation checkpointing mode, one of zerodp.models.chunking.CHECKPOINTING, that is false when
-    "off": `if row.activation_checkpointing` asks whether anything is recomputed, and the text says which
-    mode. `Checkpointing(True)` is full, `Checkpointing(False)` off."""
-
-    def __new__(cls, value: bool | str = "off"):
-        if value is True or value is False:
-            value = "full" if value else "off"
-        assert value in CHECKPOINTING, value
-        return super().__new__(cls, value)
-
-    def __bool__(self) -> bool:
-        return self != "off"
-
-    @property
-    def rank(self) -> int:
-        """0 off, 1 selective, 2 full: the order of preference at equal speed."""
-        return CHECKPOINTING.index(self)
 
 
 def compute_factor(mode: str) -> float:

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from zerodp.planner.buckets import grad_bytes
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.lora import param_shapes, trainable_shapes
-from zerodp.planner.models import ModelSpec
+from zerodp.planner.types import Layout, ModelSpec
 from zerodp.planner.units import COMPUTE_BYTES
-
-if TYPE_CHECKING:
-    from zerodp.planner.memory import Layout
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,22 @@ def compute_factor(mode: str) -> float:
     return {"off": 1.0, "selective": 1 + SELECTIVE_RECOMPUTE / 3, "full": 4 / 3}[mode]
 
 
+def explicit_attention_extra(m: ModelSpec, seq_len: int, precision: str) -> float:
+    """Bytes per s*b*h (16-bit units, as `layer_activation_factor`) that zerodp's explicit attention keeps
+    beyond Korthikanti's unfused count (zerodp.models.dropout.KeyedDropout.attend, the path of every model
+    that trains with dropout): per element of the (b, a, s, s) probabilities the fp32 softmax output (4
+    bytes), the bool keep mask (1) and the dropped probabilities in the compute dtype (what `@ v` keeps),
+    where the paper counts 5 in 16-bit units; and K and V repeated to every query head (grouped-query
+    attention), kept by the two matmuls at Q's width. Measured on CPU (tests/unit/test_planner.py,
+    test_explicit_attention_keeps_what_the_planner_counts). 0 for SDPA/flash attention."""
+    if m.fused_attention:
+        return 0.0
+    half = {"fp32": 2.0}.get(precision, 1.0)  # bytes of the compute dtype / 2
+    probs = 4 + (1 if m.dropout else 0) + 2 * half  # fp32 softmax, keep mask, the probabilities @ v keeps
+    scores = (probs / half - (5 if m.dropout else 2)) * m.n_head * seq_len / m.hidden
+    return scores + 4 * (m.q_dim - m.kv_dim) / m.hidden
+
+
 def precision_extra(m: ModelSpec, precision: str, autocast: bool) -> float:
     """Bytes per s*b*h (in 16-bit units, as `layer_activation_factor`) that zerodp's blocks keep beyond
     Korthikanti's count: the attention output SDPA keeps beside the output projection's (contiguous) input;
@@ -112,7 +128,7 @@ def layer_activation_factor(m: ModelSpec, seq_len: int) -> float:
     if not m.fused_attention:  # softmax output (+ its dropout mask and output) per head: a*s^2*b
         attn += (5 if m.dropout else 2) * m.n_head * seq_len / h
     if m.mlp == "swiglu":
-        mlp = 2 + 4 * 2 * m.ffn_hidden / h  # input; gate, up, silu(gate), product
+        mlp = 2 + 4 * 2 * m.ffn_hidden / h + drop  # input; gate, up, silu(gate), product; dropout mask
     else:
         mlp = 2 + 2 * 2 * m.ffn_hidden / h + drop  # input; GELU input, proj input; dropout mask
     return attn + mlp + 2 * m.norms_per_block  # + the norms' inputs
@@ -142,7 +158,9 @@ def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool | str, cuda:
     `autocast` (fp32 parameters, 16-bit compute: `autocasts`), its 16-bit weight copies included."""
     s, b, h = w.seq_len, w.micro_batch, m.hidden
     scale = COMPUTE_BYTES[w.precision] / 2  # the factors above are for 16-bit activations
-    one_layer = s * b * h * (layer_activation_factor(m, s) + precision_extra(m, w.precision, autocast)) * scale
+    factor = layer_activation_factor(m, s) + precision_extra(m, w.precision, autocast) \
+        + explicit_attention_extra(m, s, w.precision)
+    one_layer = s * b * h * factor * scale
     mode = Checkpointing(checkpointing)
     if mode == "full":  # each block keeps its input (fp32 under autocast); one block is recomputed at a time
         layers = m.n_layer * (4 if autocast else 2 * scale) * s * b * h + one_layer

@@ -68,7 +68,9 @@ class ModelSpec:
     dropout: bool = False
     """Dropout active in training: its 1-byte masks are kept for backward."""
     fused_attention: bool = True
-    """SDPA/flash attention: the s x s score matrices are never stored."""
+    """SDPA/flash attention: the s x s score matrices are never stored. False for a model that trains with
+    dropout: zerodp computes its attention explicitly (zerodp.models.dropout.KeyedDropout.attend) and keeps
+    the (b, a, s, s) probabilities (`zerodp.planner.activations.explicit_attention_extra`)."""
     shape_assumed: bool = False
     """Layer dimensions were guessed from the parameter count alone."""
     active_params: Optional[int] = None

@@ -255,7 +255,7 @@ def test_config_json_both_ways(name):
 
 @pytest.mark.parametrize("raw, match", [
     ({"model_type": "bert"}, r"config.json: model_type 'bert' is not supported; zerodp reads gpt2, llama, mistral, "
-                             r"qwen2, qwen3$"),
+                             r"qwen2, qwen3, qwen3_moe$"),
     ({"model_type": "llama", "attention_bias": True}, r"attention_bias=true is not supported; zerodp's llama "
                                                       r"family has biases only on q, k and v \(Qwen2\)"),
     ({"model_type": "llama", "mlp_bias": True}, r"mlp_bias=true is not supported"),

@@ -72,6 +72,8 @@ SHAPE_CONFIGS = {
     "qwen3-tied-head_dim": ModelConfig(arch="qwen3", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, n_embd=64,
                                        vocab_size=100, tie_embeddings=True),
     "qwen3-default": ModelConfig(arch="qwen3"),
+    "qwen3_moe-mixed": ModelConfig(arch="qwen3_moe", n_layer=3, n_head=4, n_kv_head=2, n_embd=64, vocab_size=100,
+                                   moe={"num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [1]}),
     "llama3-8b": ModelConfig(arch="llama", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, intermediate_size=14336,
                              vocab_size=128256, block_size=8192),
 }
@@ -87,8 +89,9 @@ def test_models_build_exactly_the_shapes_their_arch_describes(name):
 
 @pytest.mark.parametrize("family", PLANNER_FAMILIES)
 def test_families_only_the_planner_reads_are_not_built(family):
-    with pytest.raises(ConfigError, match=rf"^model.arch='{family}': zerodp builds and trains gpt2, llama, qwen3; "
-                                          rf"{family} is known to the planner only \(zerodp plan --hf-config\)$"):
+    with pytest.raises(ConfigError, match=rf"^model.arch='{family}': zerodp builds and trains gpt2, llama, qwen3, "
+                                          rf"qwen3_moe; {family} is known to the planner only "
+                                          rf"\(zerodp plan --hf-config\)$"):
         build_model(ModelConfig(arch=family))
 
 
@@ -111,7 +114,7 @@ def test_every_registered_family_has_a_whole_torch_free_spec():
             "print(missing, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] False"
-    assert set(FAMILY_PACKAGES) == {"gpt2", "llama", "qwen3"}
+    assert set(FAMILY_PACKAGES) == {"gpt2", "llama", "qwen3", "qwen3_moe"}
     for family in FAMILY_PACKAGES:
         assert type(build_model(ModelConfig(arch=family), device="meta")).__name__ == arch_of(
             ModelConfig(arch=family)).spec.MODEL

@@ -240,10 +240,21 @@ def apply_hf_config(m: ModelConfig, given: set[str], where: str = "the config") 
             continue
         if key not in given:
             setattr(m, key, value)
+        elif key == "moe":  # the experts are the file's; the balance settings may be the user's
+            setattr(m, key, {**value, **_agreeing(m.moe, value, path)})
         elif getattr(m, key) != value:
             raise ConfigError(f"model.{key}={getattr(m, key)!r} in {where} contradicts model.hf_config {path}, which "
                               f"gives {key}={value!r}; remove model.{key} or set it to {value!r}")
     return m
+
+
+def _agreeing(given: dict, derived: dict, path) -> dict:
+    """model.moe's keys `given` by the user, each equal to the file's where the file sets it."""
+    for key, value in (given or {}).items():
+        if key in derived and key not in ("balance", "router_aux_loss_coef") and derived[key] != value:
+            raise ConfigError(f"model.moe.{key}={value!r} contradicts model.hf_config {path}, which gives "
+                              f"{key}={derived[key]!r}; remove model.moe.{key} or set it to {derived[key]!r}")
+    return dict(given or {})
 
 
 def resolve_model(cfg: Config) -> Config:
@@ -260,7 +271,7 @@ def resolve_model(cfg: Config) -> Config:
     return cfg
 
 
-NESTED = {("strategy", "deepspeed"), ("model", "lora"), ("model", "rope_scaling")}
+NESTED = {("strategy", "deepspeed"), ("model", "lora"), ("model", "moe"), ("model", "rope_scaling")}
 """The mappings an override reaches into: strategy.deepspeed.a.b=1, model.lora.rank=16."""
 
 

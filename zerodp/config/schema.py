@@ -28,7 +28,8 @@ DOCUMENT_ATTENTION = ("auto", "flex", "sdpa")
 class ModelConfig:
     arch: str = "gpt2"
     """gpt2 (learned positions, LayerNorm, GELU) or llama (Llama 2/3, Mistral, Qwen2: rotary positions,
-    RMSNorm, SwiGLU, grouped-query attention) or qwen3 (llama with per-head q/k RMSNorm). See docs/models.md."""
+    RMSNorm, SwiGLU, grouped-query attention) or qwen3 (llama with per-head q/k RMSNorm) or qwen3_moe (qwen3
+    with mixture-of-experts MLPs: model.moe). See docs/models.md."""
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
@@ -90,6 +91,14 @@ class ModelConfig:
     [q_proj, v_proj], init_from: PEFT_FOLDER}` (only rank is required; alpha 2 x rank, targets all-linear).
     The base weights (model.init_from's) are frozen, held at train.precision; only the adapters are trained,
     reduced and checkpointed (zerodp.models.lora_spec, docs/fine_tuning.md). Empty: every weight trains."""
+    moe: dict = field(default_factory=dict)
+    """qwen3_moe: the mixture of experts, Hugging Face's names: `{num_experts: 8, num_experts_per_tok: 2,
+    moe_intermediate_size: null (intermediate_size), norm_topk_prob: false, decoder_sparse_step: 1,
+    mlp_only_layers: [], balance: sequence, router_aux_loss_coef: 0.001}` (each key optional; model.hf_config
+    sets all but balance). balance: the tokens each balance loss is taken over, `sequence` (per sequence,
+    averaged: the same at any micro batch size or world size) or `micro_batch` (transformers' loss, over each
+    micro batch: changes with train.micro_batch_size); the training loss adds router_aux_loss_coef x the
+    balance loss, logged apart as balance_loss (zerodp.models.moe_spec, docs/models.md)."""
 
 
 @dataclass

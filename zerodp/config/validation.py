@@ -22,9 +22,10 @@ from zerodp.config.schema import (
 )
 from zerodp.config.sources import check_sources, check_unpacked
 from zerodp.errors import ConfigError
-from zerodp.models.arch import arch_of
+from zerodp.models.arch import arch_of, spec_of
 from zerodp.models.chunking import CHECKPOINTING, checkpointing_mode
 from zerodp.models.lora_spec import check_targets, lora_spec
+from zerodp.models.moe_spec import moe_spec
 
 
 def validate(cfg: Config) -> None:
@@ -71,6 +72,11 @@ def check_model(m: ModelConfig) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     _one_of("model.document_attention", m.document_attention, DOCUMENT_ATTENTION)
+    if getattr(spec_of(m.arch), "MOE", False):
+        moe_spec(m.moe)
+    elif m.moe:
+        raise ConfigError(f"model.moe applies to a mixture of experts (model.arch=qwen3_moe), not {m.arch}; "
+                          f"remove model.moe or set model.arch=qwen3_moe")
     spec = lora_spec(m.lora)
     if spec is not None:
         check_targets(arch_of(m), spec)

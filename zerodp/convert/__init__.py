@@ -90,6 +90,7 @@ def open_checkpoint(path: str | Path, verify_deep: bool = False, hash_beside_rea
         from zerodp.convert.dcp_ckpt import DcpSource
 
         return DcpSource(where)
+    from zerodp.convert.experts import stacked
     from zerodp.convert.hf import SafetensorsSource
 
-    return SafetensorsSource(where)
+    return stacked(SafetensorsSource(where))  # an MoE model's per-expert tensors as its stacked parameters

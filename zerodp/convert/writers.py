@@ -210,6 +210,7 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
     folder's config.json). A tied head is not written (HF re-ties it on load). dtype as for
     `write_safetensors`; config.json's torch_dtype names the embedding's."""
     from zerodp.config import ModelConfig
+    from zerodp.convert.experts import per_expert
     from zerodp.convert.full_state import FullState
     from zerodp.models.arch import arch_of
     from zerodp.models.hf import TRANSPOSE, hf_config_from_model, to_hf, transposed
@@ -220,8 +221,8 @@ def write_hf(source: CheckpointSource, dst: str | Path, dtype: str | None = None
         raise UserError(f"{source.path} records no model config (a {source.format} checkpoint written outside "
                         f"zerodp); pass --config with the zerodp config it was trained with")
     a = arch_of(ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}))
+    source, shapes = per_expert(source, a, a.param_shapes())  # MoE: the stacked experts as HF's per-expert tensors
     state = FullState(source, with_optimizer=False)
-    shapes = a.param_shapes()
     problem = state.mismatch(shapes)
     if problem:
         raise CheckpointError(f"{source.path} does not hold the model its config describes ({problem})")

@@ -34,6 +34,7 @@ FAMILY_PACKAGES = {
     "gpt2": "zerodp.models.gpt2",
     "llama": "zerodp.models.llama",
     "qwen3": "zerodp.models.qwen3",
+    "qwen3_moe": "zerodp.models.qwen3_moe",
 }
 """model.arch -> the family's package. Defined before the import below: zerodp.models.arch reads it."""
 

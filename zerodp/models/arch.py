@@ -7,8 +7,9 @@ exactly these parameters (a test pins it), the planner counts them, and the Hugg
 Imports neither torch nor deepspeed: the planner reads it instantly.
 
 The families zerodp builds and trains (`FAMILIES`) are the registered ones: gpt2, llama (Llama 2/3,
-Mistral, Qwen2) and qwen3. Five more the planner counts but zerodp does not build (`PLANNER_FAMILIES`;
-`arch_of` refuses them), each with the names and shapes transformers gives its parameters
+Mistral, Qwen2), qwen3 and qwen3_moe (its experts: n_experts, experts_per_token, expert_ffn,
+norm_topk_prob, dense_layers, from model.moe). Five more the planner counts but zerodp does not build
+(`PLANNER_FAMILIES`; `arch_of` refuses them), each with the names and shapes transformers gives its parameters
 (tests/unit/test_planner_hf.py compares); all five have llama's layout and llama's spec describes them:
 - `gemma`: llama's layout (its GeGLU and (1 + w) norms change no shape); head_dim is free (256).
 - `gemma2`: gemma plus two more norms per block (pre_feedforward_layernorm, post_feedforward_layernorm).
@@ -75,6 +76,8 @@ class Arch:
     """qwen2_moe: width of the shared expert every token also passes through (with a 1-wide gate)."""
     dense_layers: tuple[int, ...] = ()
     """MoE models: the layers whose MLP is dense (width `ffn`) rather than experts."""
+    norm_topk_prob: bool = False
+    """MoE models: the k chosen experts' router probabilities renormalised to sum 1."""
 
     def __post_init__(self):
         if self.family not in FAMILIES + PLANNER_FAMILIES:
@@ -167,19 +170,25 @@ def arch_of(model_cfg) -> Arch:
             if family in PLANNER_FAMILIES else ""
         raise ConfigError(f"model.arch={family!r}: zerodp builds and trains {', '.join(FAMILIES)}{known}")
     spec = spec_of(family)
+    moe = {}
+    if getattr(spec, "MOE", False):  # a mixture of experts: model.moe (zerodp.models.moe_spec)
+        from zerodp.models.moe_spec import moe_spec
+
+        moe = spec._moe_fields(moe_spec(getattr(m, "moe", None)), m.n_layer,
+                               m.intermediate_size or spec.default_ffn(m.n_embd))
     return Arch(family=family, n_layer=m.n_layer, n_embd=m.n_embd, n_head=m.n_head,
                 n_kv_head=m.n_kv_head or m.n_head, head_dim=m.head_dim or m.n_embd // m.n_head,
                 ffn=m.intermediate_size or spec.default_ffn(m.n_embd), vocab_size=m.vocab_size,
                 block_size=m.block_size, bias=spec.DEFAULT_BIAS if m.bias is None else bool(m.bias),
                 qkv_bias=m.qkv_bias, tied=spec.DEFAULT_TIED if m.tie_embeddings is None else bool(m.tie_embeddings),
-                norm_eps=m.norm_eps, rope_theta=m.rope_theta, rope_scaling=dict(m.rope_scaling or {}))
+                norm_eps=m.norm_eps, rope_theta=m.rope_theta, rope_scaling=dict(m.rope_scaling or {}), **moe)
 
 
 # ModelConfig's defaults for the keys a model section may lack (checkpoints saved before a key existed);
 # tests/unit/test_model.py pins that they equal zerodp.config.ModelConfig's.
 SECTION_DEFAULTS = {"arch": "gpt2", "n_kv_head": None, "head_dim": None, "intermediate_size": None, "bias": None,
                     "qkv_bias": False, "tie_embeddings": None, "norm_eps": 1e-5, "rope_theta": 10000.0,
-                    "rope_scaling": {}, "dropout": 0.0, "block_size": 128}
+                    "rope_scaling": {}, "dropout": 0.0, "block_size": 128, "moe": {}}
 
 
 def arch_from_section(model: dict) -> Arch:

@@ -8,7 +8,7 @@ the `model.*` keys of zerodp's config.
     from_hf("gpt2", "h.3.attn.c_attn.weight")              # ("transformer.h.3.attn.c_attn.weight", "transpose")
 
 Model types read: each family's MODEL_TYPES (gpt2: gpt2, a GPT2LMHeadModel or a bare GPT2Model; llama:
-llama, mistral, qwen2; qwen3: qwen3). Imports neither torch nor transformers: the planner
+llama, mistral, qwen2; qwen3: qwen3; qwen3_moe: qwen3_moe). Imports neither torch nor transformers: the planner
 (`zerodp plan --hf-config`) reads it too.
 """
 
@@ -30,7 +30,8 @@ SUPPORTED = tuple(FAMILY_OF_TYPE)
 
 
 def _pattern(p: str) -> re.Pattern:
-    return re.compile(re.escape(p).replace(re.escape("{i}"), r"(\d+)"))
+    """{i} (a block) and {j} (an expert) match a number each."""
+    return re.compile(re.escape(p).replace(re.escape("{i}"), r"(\d+)").replace(re.escape("{j}"), r"(\d+)"))
 
 
 @functools.cache
@@ -44,7 +45,9 @@ def _buffers(family: str) -> list:
 
 
 def _fill(pattern: str, m: re.Match) -> str:
-    return pattern.replace("{i}", m.group(1)) if m.groups() else pattern
+    for key, value in zip(("{i}", "{j}"), m.groups()):
+        pattern = pattern.replace(key, value)
+    return pattern
 
 
 def to_hf(family: str, name: str) -> tuple[str, str | None] | None:
@@ -167,7 +170,12 @@ def hf_config_from_model(model: dict, dtype: str = "float32", max_positions: int
     a = arch_from_section(model)
     common = {"vocab_size": a.vocab_size, "tie_word_embeddings": a.tied, "torch_dtype": dtype,
               "bos_token_id": None, "eos_token_id": None, "use_cache": True}
-    return a.spec.hf_config(a, common, float(model.get("dropout") or 0.0), max_positions)
+    out = a.spec.hf_config(a, common, float(model.get("dropout") or 0.0), max_positions)
+    if a.n_experts:  # the balance loss's weight: a training setting the config.json keeps
+        from zerodp.models.moe_spec import moe_spec
+
+        out["router_aux_loss_coef"] = moe_spec(model.get("moe")).router_aux_loss_coef
+    return out
 
 
 # ---- the model a run started from ------------------------------------------------------------------

@@ -152,10 +152,12 @@ def _of_folder(init_from: str) -> dict:
 
 
 def linear_modules(arch, layer: int = 0) -> dict[str, tuple[int, int]]:
-    """Block `layer`'s linear layers: module path inside the block -> (out, in) of its weight."""
+    """Block `layer`'s linear layers: module path inside the block -> (out, in) of its weight (not a
+    router: a mixture of experts' `mlp.gate`, its spec's NOT_ADAPTED, which PEFT does not adapt either)."""
     out = {}
+    skip = getattr(arch.spec, "NOT_ADAPTED", ())
     for name, shape in arch.block_shapes(layer).items():
-        if name.endswith(".weight") and len(shape) == 2:
+        if name.endswith(".weight") and len(shape) == 2 and name[: -len(".weight")] not in skip:
             out[name[: -len(".weight")]] = shape
     return out
 

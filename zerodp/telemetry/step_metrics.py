@@ -42,6 +42,9 @@ class Pending:
     their mean); None without a mask (every token is one)."""
     spread: float = 1.0
     """The mean squared loss weight of the step's micro batches (MicroBatches.spread; 1 without a mask)."""
+    balance: torch.Tensor | None = None
+    """A mixture of experts: this rank's mean balance loss over its micro batches (zerodp.models.moe_spec),
+    a 0-d tensor; None for a dense model."""
 
 
 def fetch_interval(pending: list[Pending], request_code: float, interval_start: float | None = None):
@@ -50,11 +53,12 @@ def fetch_interval(pending: list[Pending], request_code: float, interval_start: 
     One device sync (the stacked losses and norms to the host; the Stopwatches' CUDA events are done
     then) and one all-gather. Returns (per step: one row per rank of [loss, step seconds, data wait,
     grad norm, forward seconds, probe seconds, local gradient norm squared (nan where not measured),
-    wall seconds per step]; seconds the all-gather took; the highest preemption request of any rank, 0
-    for none: the signal of any rank stops all of them). The wall seconds are the interval's: from
-    `interval_start` (perf_counter; the loop's start of the interval) to the moment the device finished
-    its last step (after the sync), over its steps, the same for each; 0 without an `interval_start`."""
-    on_device = [v.detach().float() for p in pending for v in (p.loss, p.grad_norm, p.local_grad_sq)
+    wall seconds per step, balance loss (nan for a dense model)]; seconds the all-gather took; the highest
+    preemption request of any rank, 0 for none: the signal of any rank stops all of them). The wall seconds
+    are the interval's: from `interval_start` (perf_counter; the loop's start of the interval) to the
+    moment the device finished its last step (after the sync), over its steps, the same for each; 0
+    without an `interval_start`."""
+    on_device = [v.detach().float() for p in pending for v in (p.loss, p.grad_norm, p.local_grad_sq, p.balance)
                  if torch.is_tensor(v)]
     fetched = iter(torch.stack(on_device).tolist())
     wall = (time.perf_counter() - interval_start) / len(pending) if interval_start is not None else 0.0
@@ -63,8 +67,9 @@ def fetch_interval(pending: list[Pending], request_code: float, interval_start: 
         loss = next(fetched)
         norm = next(fetched) if torch.is_tensor(p.grad_norm) else p.grad_norm
         local_sq = next(fetched) if torch.is_tensor(p.local_grad_sq) else float("nan")
+        balance = next(fetched) if torch.is_tensor(p.balance) else float("nan")
         values += [loss, p.timer.seconds(), p.data_wait_s, norm, p.forward.seconds(),
-                   p.probe.seconds() if p.probe is not None else 0.0, local_sq, wall]
+                   p.probe.seconds() if p.probe is not None else 0.0, local_sq, wall, balance]
     t0 = time.perf_counter()
     gathered = all_gather_floats(values + [request_code])
     sync_wait = time.perf_counter() - t0
@@ -118,6 +123,7 @@ class Throughput:
             "step_time_s": times[self.rank], "max_step_time_s": times[slowest], "slowest_rank": slowest,
             "data_wait_s": max(r[2] for r in per_rank), "sync_wait_s": sync_wait,
             **({"target_tokens": p.targets} if p.targets is not None else {}),
+            **({"balance_loss": sum(r[8] for r in per_rank) / len(per_rank)} if p.balance is not None else {}),
         }
 
     def measured(self, records: list[dict]) -> tuple[list[dict], str]:

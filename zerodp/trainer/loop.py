@@ -45,7 +45,7 @@ from zerodp.trainer.preflight import (
     resolve_strategy,  # noqa: F401  (tests and the config's docs name it here)
 )
 from zerodp.trainer.records import Records, log
-from zerodp.trainer.resume import keep_config, keep_superseded, new_folder_beside
+from zerodp.trainer.resume import keep_config, keep_superseded, micro_batch_balance_note, new_folder_beside
 from zerodp.trainer.sample import sample
 from zerodp.trainer.validate import evaluate
 
@@ -194,6 +194,9 @@ def open_run_folder(env: DistEnv, ready: Ready) -> None:
         log(env, f"{what}, the planner's table:\n" + plan.table())
         if ready.searched:
             log(env, micro_batch_line(plan))
+            if said := micro_batch_balance_note(cfg, None, "train.micro_batch_size=auto chose "
+                                                           f"{cfg.train.micro_batch_size}"):
+                log(env, said)
 
 
 def set_up(cfg: Config, env: DistEnv, grad_accum: int):
@@ -268,12 +271,15 @@ class Steps:
             timer = Stopwatch(env.device)
             self.replicas.arm(step + 1, self.checkpointer.saves_after(step + 1))
             with self.meter.step(), timer:
-                local_loss, grad_norm, forward, local_sq = train_step(self.strategy, micro_batches, lr, env.device)
+                figures: dict = {}
+                local_loss, grad_norm, forward, local_sq = train_step(self.strategy, micro_batches, lr, env.device,
+                                                                      figures)
             done = self.done = step + 1
             # Nothing below waits for the device until the sync point: the figures stay where they are.
             pending.append(Pending(done, lr, local_loss, grad_norm, timer, forward, t0 - t_end,
                                    guards.probe.launch() if guards.probe is not None else None, local_sq,
-                                   getattr(micro_batches, "targets", None), getattr(micro_batches, "spread", 1.0)))
+                                   getattr(micro_batches, "targets", None), getattr(micro_batches, "spread", 1.0),
+                                   figures.get("balance_loss")))
             step_comm[done] = self.meter.record()  # counted on the host as the collectives were issued
             guards.heartbeat.beat(done)  # a write to the job's store, not a device sync
             self._say_epoch_ends(done)
@@ -376,8 +382,13 @@ class Steps:
             f"{k} {v / 2**20:.1f} MiB" if v or k != "grads" else "grads freed between steps"
             for k, v in self.held.items()))
 
-def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
+def train_step(strategy, micro_batches: list, lr: float, device: torch.device, figures: dict | None = None):
     """One optimizer step over this rank's micro batches, without waiting for the device.
+
+    A model that leaves an `aux_loss` after its forward (a mixture of experts: router_aux_loss_coef x its
+    balance loss, zerodp.models.moe_spec) has it added to the loss it backpropagates, weighed the same in
+    every micro batch (a loss mask's weights are the LM loss's); the loss returned stays the LM loss, and
+    `figures` (if given) gets the mean of its `balance_loss` over the micro batches, a 0-d tensor.
 
     Returns (mean local loss, a 0-d tensor; global grad norm, a tensor or the float DeepSpeed hands
     back; a Stopwatch of the forward passes, read after a device sync; this rank's own micro-batch
@@ -389,6 +400,7 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
     forward = Stopwatch(device)
     weights = getattr(micro_batches, "weights", None)  # loss masks: the global batch's target mean
     keys = getattr(micro_batches, "dropout_keys", None)  # dropout: each row's masks, whatever the layout
+    core, balance_sum = _core(strategy.model), None
     for i, batch in enumerate(micro_batches):
         batch = model_inputs(batch, device)
         keyed = {"dropout_keys": keys[i].to(device, non_blocking=True)} if keys is not None else {}
@@ -397,12 +409,25 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device):
                 loss = strategy.model(*batch, **keyed)
                 if weights is not None:
                     loss = loss * weights[i]  # a Python float: no host sync
-            strategy.backward(loss)
+                aux = getattr(core, "aux_loss", None)
+            strategy.backward(loss if aux is None else loss + aux)
         loss_sum += loss.detach().float()
+        if aux is not None:
+            balance = core.balance_loss.detach().float()
+            balance_sum = balance if balance_sum is None else balance_sum + balance
     local_grad_sq = getattr(strategy, "local_grad_sq", None)  # optional; before step(): the loss scale
     local_sq = local_grad_sq() if local_grad_sq is not None else None
     grad_norm = strategy.step(lr)
+    if figures is not None and balance_sum is not None:
+        figures["balance_loss"] = balance_sum / len(micro_batches)
     return loss_sum / len(micro_batches), grad_norm, forward, local_sq
+
+
+def _core(model):
+    """The model a DDP wrapper or DeepSpeed engine holds (FSDP shards the model in place)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 def model_inputs(batch: tuple, device: torch.device, non_blocking: bool = True) -> tuple:

@@ -110,7 +110,8 @@ class Records:
         if bar is not None:
             mfu = {"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}
             epoch = {"epoch": f"{record['epoch']:.2f}"} if "epoch" in record else {}
-            bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+            balance = {"balance": f"{record['balance_loss']:.3f}"} if "balance_loss" in record else {}
+            bar.set_postfix(loss=f"{record['loss']:.4f}", **balance, lr=f"{record['lr']:.2e}",
                             tok_s=f"{record['tokens_per_s']:,.0f}", **epoch, **mfu)
             bar.update(1)
         step = record["step"]
@@ -122,7 +123,8 @@ class Records:
             rate = statistics.median(r["tokens_per_s"] for r in kept)
             mfu = f", MFU {statistics.median(r['mfu'] for r in kept):.1%}" if "mfu" in record else ""
             epoch = f", epoch {record['epoch']:.2f}" if "epoch" in record else ""
-            log(env, f"step {step}/{cfg.train.max_steps}: loss {record['loss']:.4f}, lr {record['lr']:.2e}, "
+            balance = f", balance_loss {record['balance_loss']:.4f}" if "balance_loss" in record else ""
+            log(env, f"step {step}/{cfg.train.max_steps}: loss {record['loss']:.4f}{balance}, lr {record['lr']:.2e}, "
                      f"grad_norm {record['grad_norm']:.3f}{epoch}, {rate:,.0f} tokens/s{mfu} (median of {what})")
         if "val_loss" in record:
             each = ", ".join(f"{k.removeprefix('val_loss/')} {v:.4f}" for k, v in record.items()

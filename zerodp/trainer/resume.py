@@ -93,6 +93,8 @@ def carry_over(cfg: Config, ckpt: Path, meta: dict, trainer: dict, allow_data_ch
     elif saved_G != G:
         out.said.append(f"train.global_batch_size={saved_G} there, {G} here: the data continues at sample "
                         f"{out.samples:,}, where the run stopped")
+    if said := micro_batch_balance_note(cfg, ((saved.get("train") or {}).get("micro_batch_size"))):
+        out.said.append(said)
     out.config_from = int(trainer.get("config_from", 0))
     if saved != here:
         out.kept_config = (f"config.steps-{out.config_from}-{step}.yaml", yaml.safe_dump(saved, sort_keys=False))
@@ -178,3 +180,15 @@ def keep_superseded(out_dir: Path, step: int) -> str | None:
     first, last = json.loads(later[0])["step"], json.loads(later[-1])["step"]
     return (f"resuming at step {step} supersedes metrics.jsonl's records of steps {first}-{last}: moved to "
             f"{aside}/metrics.jsonl, with the config.yaml that trained them")
+
+
+def micro_batch_balance_note(cfg: Config, before, chosen: str = "") -> str | None:
+    """What a micro batch size other than `before` (a resume: the checkpoint's; None: a first choice, by
+    the planner) changes in a mixture of experts whose balance loss is taken per micro batch
+    (model.moe.balance=micro_batch, zerodp.models.moe_spec); None where nothing changes."""
+    mb = cfg.train.micro_batch_size
+    if (cfg.model.moe or {}).get("balance") != "micro_batch" or mb == before:
+        return None
+    was = f"train.micro_batch_size={before} there, {mb} here" if before is not None else chosen
+    return (f"{was} with model.moe.balance=micro_batch: the balance loss is taken over each micro batch of {mb} "
+            f"sequences, so the micro batch size changes what is trained (model.moe.balance=sequence does not)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from zerodp.models.chunking import loss_chunks
 from zerodp.planner.lora import adapter_activation_bytes
+from zerodp.planner.moe import routed_bytes_per_token, sparse_layers
 from zerodp.planner.types import Checkpointing, ModelSpec, Workload
 from zerodp.planner.units import COMPUTE_BYTES
 
@@ -153,21 +154,25 @@ def document_mask_bytes(m: ModelSpec, w: Workload, cuda: bool) -> int:
 
 def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool | str, cuda: bool = True,
                      autocast: bool = False) -> int:
-    """Activations kept for backward for one micro batch under `checkpointing` (off, selective, full), the
-    head's logits and loss, the document mask (on a `cuda` device or not: the mask's kernel) and, with
-    `autocast` (fp32 parameters, 16-bit compute: `autocasts`), its 16-bit weight copies included."""
+    """Activations kept for backward for one micro batch under `checkpointing` (off, selective, full), a
+    mixture of experts' routed tokens and router (zerodp.planner.moe), the head's logits and loss, the
+    document mask (on a `cuda` device or not: the mask's kernel) and, with `autocast` (fp32 parameters,
+    16-bit compute: `autocasts`), its 16-bit weight copies included."""
     s, b, h = w.seq_len, w.micro_batch, m.hidden
     scale = COMPUTE_BYTES[w.precision] / 2  # the factors above are for 16-bit activations
     factor = layer_activation_factor(m, s) + precision_extra(m, w.precision, autocast) \
         + explicit_attention_extra(m, s, w.precision)
     one_layer = s * b * h * factor * scale
     mode = Checkpointing(checkpointing)
+    # a mixture of experts: each sparse block's routed copies and router (zerodp.planner.moe)
+    routed = s * b * routed_bytes_per_token(m, w.precision, autocast)
     if mode == "full":  # each block keeps its input (fp32 under autocast); one block is recomputed at a time
-        layers = m.n_layer * (4 if autocast else 2 * scale) * s * b * h + one_layer
+        layers = m.n_layer * (4 if autocast else 2 * scale) * s * b * h + one_layer + routed
     elif mode == "selective":  # each block keeps its matmul and attention outputs; one recomputed at a time
-        layers = m.n_layer * s * b * h * selective_factor(m, autocast) * scale + one_layer
+        layers = m.n_layer * s * b * h * selective_factor(m, autocast) * scale + one_layer \
+            + sparse_layers(m) * routed
     else:
-        layers = m.n_layer * one_layer
+        layers = m.n_layer * one_layer + sparse_layers(m) * routed
     head = head_loss_bytes(m, b * s, w.precision, w.loss_chunks, autocast)
     copies = autocast_copy_bytes(m, w.precision, autocast)
     adapters = adapter_activation_bytes(m, w, mode)  # a LoRA run's x A products (zerodp.planner.lora)

@@ -19,6 +19,7 @@ from zerodp.planner.activations import (  # noqa: F401  (activations' formulas, 
 )
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
 from zerodp.planner.lora import block_adapter_params, flops_per_token as lora_flops_per_token, frozen_bytes
+from zerodp.planner.moe import expert_gather
 from zerodp.planner.persistence import persistent_param_bytes
 from zerodp.planner.traffic import collective_seconds, collectives, inter_node_sent
 from zerodp.planner.types import (  # noqa: F401  (the types estimate takes and returns, imported from here too)
@@ -227,6 +228,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         if layout.offload_params:  # each micro batch fetches the parameter shard, forward and backward
             offload_s += 2 * cb * P / n * w.grad_accum_steps / PCIE_BYTES_PER_S
     step_s = compute_s + exposed_s + offload_s
+    experts = expert_gather(model, layout)
 
     return MemoryEstimate(
         name=layout.name, strategy=layout.strategy, offload_optimizer=layout.offload_optimizer,
@@ -247,4 +249,5 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         compute_s=compute_s, comm_s=overlap_s + waited_s,
         exposed_comm_s=exposed_s, offload_s=offload_s, step_s=step_s,
         scaling_efficiency=compute_s / step_s, tokens_per_s_per_gpu=tokens / step_s,
+        expert_gather_bytes=int(experts.sent), expert_gather_s=experts.seconds, expert_gather_share=experts.share,
     )

@@ -269,6 +269,15 @@ class MemoryEstimate:
     scaling_efficiency: float
     """compute_s / step_s: the share of the step spent computing rather than waiting."""
     tokens_per_s_per_gpu: float
+    expert_gather_bytes: int = 0
+    """Of comm_bytes, what the all-gathers of a mixture of experts' expert weights send (zero3, fsdp: every
+    expert of every sparse block, forward and backward, whatever the routing; zerodp.planner.moe); 0 for
+    a dense model and for the strategies that keep parameters whole."""
+    expert_gather_s: float = 0.0
+    """Those all-gathers' seconds per step on the cluster's links (within comm_s)."""
+    expert_gather_share: float = 0.0
+    """expert_gather_bytes over all the parameter all-gathers' bytes: what expert parallelism would keep
+    local."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -16,6 +16,7 @@ Torch-free; reads the planner's types and the traffic model only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from zerodp.planner.traffic import _fsdp_elements, _zero3_elements, collective_seconds, collectives
@@ -95,10 +96,21 @@ def expert_gather(m: ModelSpec, layout: Layout) -> ExpertGather:
                         sent / total if total else 0.0)
 
 
-def gather_lines(m: ModelSpec, rows: list[MemoryEstimate]) -> list[str]:
-    """What `zerodp plan` prints under a mixture of experts' table: the experts per block and per token,
-    and for each row that gathers parameters (zero3, fsdp) the bytes and seconds per step of gathering
-    every expert, and their share of its all-gathers (one row per strategy); nothing for a dense model."""
+def block_expert_elements(m: ModelSpec) -> int:
+    """Elements of the largest sparse block's experts: what zero3 and fsdp gather whole for it, every time."""
+    per_block: dict[str, int] = {}
+    for name, shape in m.arch.param_shapes().items():
+        if EXPERTS in name:
+            block = name.split(EXPERTS)[0]
+            per_block[block] = per_block.get(block, 0) + math.prod(shape)
+    return max(per_block.values(), default=0)
+
+
+def gather_lines(m: ModelSpec, rows: list[MemoryEstimate], precision: str) -> list[str]:
+    """What `zerodp plan` prints under a mixture of experts' table: the experts per block and per token, a
+    block's experts in the compute dtype, and for each row that gathers parameters (zero3, fsdp) the bytes
+    and seconds per step of gathering every expert, and their share of its all-gathers (one row per
+    strategy); nothing for a dense model."""
     a = m.arch
     if not sparse_layers(m):
         return []
@@ -106,9 +118,11 @@ def gather_lines(m: ModelSpec, rows: list[MemoryEstimate]) -> list[str]:
     for e in rows:
         if e.expert_gather_bytes:
             gathering.setdefault(e.strategy, e)
-    lines = [f"Experts: {a.n_experts} per sparse block ({sparse_layers(m)} of {a.n_layer} blocks), "
-             f"{a.experts_per_token} per token: memory holds every expert ({human_count(m.params)}), "
-             f"compute follows the active parameters ({human_count(m.active_params)} per token)."]
+    block = COMPUTE_BYTES[precision] * block_expert_elements(m)
+    lines = [f"Experts: {a.n_experts} per sparse block ({sparse_layers(m)} of {a.n_layer} blocks, "
+             f"{block / 1e9:.2f} GB of {precision} experts each), {a.experts_per_token} per token: memory holds "
+             f"every expert ({human_count(m.params)}), compute follows the active parameters "
+             f"({human_count(m.active_params)} per token)."]
     if gathering:
         lines.append("Gathering every expert of every sparse block, forward and backward, whatever the routing "
                      "(per GPU per step; expert parallelism would keep them local):")

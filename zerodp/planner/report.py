@@ -110,7 +110,7 @@ def render_table(plan) -> str:
     lines.append("")
     if plan.full_fine_tuning is not None:
         lines += comparison_lines(plan.estimates, plan.full_fine_tuning) + [""]
-    experts = gather_lines(plan.model, plan.estimates)
+    experts = gather_lines(plan.model, plan.estimates, plan.workload.precision)
     lines += experts + ([""] if experts else [])
     lines += plan.reasons
     lines += [f"note: {a}" for a in plan.assumptions]

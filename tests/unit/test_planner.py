@@ -215,6 +215,32 @@ def _saved_bytes(model, x, autocast: bool) -> int:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "autocast"])
+def test_qk_norms_keep_what_the_planner_counts(precision):
+    """Qwen3's per-head q and k RMSNorms: a qwen3 block keeps, beyond the llama block of the same shape,
+    their fp32 inputs and outputs (zerodp.planner.activations.qk_norm_extra), measured under saved-tensor
+    hooks within 5% (the planner counted none of it: 0 against 76,800 bytes in bf16)."""
+    import torch
+
+    from zerodp.config import load_config
+    from zerodp.models import build_model
+    from zerodp.planner.models import spec_from_model_config
+
+    x = torch.randint(0, 64, (2, 64))
+    measured, planned = {}, {}
+    for arch in ("llama", "qwen3"):
+        cfg = load_config(None, [f"model.arch={arch}", "model.n_layer=1", "model.n_head=4", "model.n_kv_head=2",
+                                 "model.n_embd=64", "model.block_size=64", "model.vocab_size=64",
+                                 "model.intermediate_size=64"])
+        model = build_model(cfg.model, seed=0).train().to(torch.bfloat16 if precision == "bf16" else torch.float32)
+        measured[arch] = _saved_bytes(model, x, precision == "autocast")
+        planned[arch] = activation_bytes(spec_from_model_config(cfg.model),
+                                         Workload(2, 64, "fp32" if precision == "fp32" else "bf16"), False,
+                                         autocast=precision == "autocast")
+    norms = measured["qwen3"] - measured["llama"]
+    assert planned["qwen3"] - planned["llama"] == pytest.approx(norms, rel=0.05)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "autocast"])
 def test_moe_block_keeps_what_the_planner_counts(precision):
     """A qwen3_moe block (8 experts of width 32, 2 per token, norm_topk_prob) keeps, beyond the dense
     qwen3 block with a SwiGLU MLP of width 2 x 32, the routed copies, the router's probabilities and the

@@ -42,6 +42,20 @@ def explicit_attention_extra(m: ModelSpec, seq_len: int, precision: str) -> floa
     return scores + 4 * (m.q_dim - m.kv_dim) / m.hidden
 
 
+def qk_norm_extra(m: ModelSpec, precision: str) -> float:
+    """Bytes per s*b*h (16-bit units, as `layer_activation_factor`) that Qwen3's per-head q and k RMSNorms
+    keep: per element of q and k their fp32 input and normalised output (8 bytes; in 16 bits, autocast or
+    a 16-bit module, the fp32 copy and the 16-bit result, 6), and one fp32 reciprocal root per token and
+    head. Measured on CPU
+    (tests/unit/test_planner.py, test_qk_norms_keep_what_the_planner_counts). 0 without them."""
+    if not m.qk_norm:
+        return 0.0
+    half = {"fp32": 2.0}.get(precision, 1.0)  # bytes of the compute dtype / 2
+    per_element = 8 if precision == "fp32" else 6
+    heads = m.n_head * (1 + m.kv_dim / m.q_dim)  # q heads and kv heads: kv_dim / head_dim
+    return ((m.q_dim + m.kv_dim) * per_element + 4 * heads) / m.hidden / half
+
+
 def precision_extra(m: ModelSpec, precision: str, autocast: bool) -> float:
     """Bytes per s*b*h (in 16-bit units, as `layer_activation_factor`) that zerodp's blocks keep beyond
     Korthikanti's count: the attention output SDPA keeps beside the output projection's (contiguous) input;
@@ -161,7 +175,7 @@ def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool | str, cuda:
     s, b, h = w.seq_len, w.micro_batch, m.hidden
     scale = COMPUTE_BYTES[w.precision] / 2  # the factors above are for 16-bit activations
     factor = layer_activation_factor(m, s) + precision_extra(m, w.precision, autocast) \
-        + explicit_attention_extra(m, s, w.precision)
+        + explicit_attention_extra(m, s, w.precision) + qk_norm_extra(m, w.precision)
     one_layer = s * b * h * factor * scale
     mode = Checkpointing(checkpointing)
     # a mixture of experts: each sparse block's routed copies and router (zerodp.planner.moe)

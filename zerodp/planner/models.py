@@ -32,7 +32,8 @@ def spec_from_arch(a: Arch, name: str, dropout: bool = False) -> ModelSpec:
         moe_ffn if a.n_experts and len(a.dense_layers) < a.n_layer else a.ffn, a.n_kv_head * a.head_dim,
         a.block_size, max(a.largest_block_params(), a.embedding_params()),
         "gelu" if a.family == "gpt2" else "swiglu", dropout, not dropout, active_params=a.active_param_count(),
-        q_dim=a.n_head * a.head_dim, norms_per_block=4 if a.family == "gemma2" else 2, arch=a,
+        q_dim=a.n_head * a.head_dim, norms_per_block=4 if a.family == "gemma2" else 2,
+        qk_norm=any(name.endswith("q_norm.weight") for name in a.block_shapes()), arch=a,
         largest_param=max(math.prod(s) for s in a.param_shapes().values()),
         largest_block_params=a.largest_block_params())
 

@@ -80,6 +80,8 @@ class ModelSpec:
     """Width of Q and of the attention output: n_head * head_dim (Gemma's exceeds hidden). None: hidden."""
     norms_per_block: int = 2
     """Norms in one block whose inputs backward keeps (Gemma 2: four)."""
+    qk_norm: bool = False
+    """Qwen3: an RMSNorm over each head's q and k before attention (`qk_norm_extra`)."""
     arch: Optional[Arch] = field(default=None, repr=False, hash=False)
     """The description it was derived from (names and shapes); None for a --params guess."""
     largest_param: int = 0

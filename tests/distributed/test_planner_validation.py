@@ -4,6 +4,7 @@ prediction for the same config, in bf16 and fp32. Run with -s to see the table.
 
     .venv/bin/python -m pytest -q -s tests/distributed/test_planner_validation.py
 
+The MoE rows (/moe) run a qwen3_moe of 8 experts, 2 per token (P = 1,690,368, every expert held).
 The model (P = 1,612,800) is big enough that fixed overheads (AdamW's step counters, alignment) are
 well under 1%. Its vocabulary is 64 rather than 256 because DeepSpeed's zero1/2 gradient partition
 holds whole the parameter that straddles the partition boundary (here the tied embedding): 1.6% of a
@@ -29,6 +30,11 @@ MODEL = [
     # ZeRO-3 would otherwise keep parameters under 1e5 elements gathered (the embeddings here)
     "strategy.deepspeed.zero_optimization.stage3_param_persistence_threshold=0",
 ]
+MOE = [  # a qwen3_moe in place of MODEL's dense model: 8 experts of width 256, 2 per token (P = 1,690,368)
+    "model.arch=qwen3_moe", "model.n_kv_head=2", "model.n_embd=128", "model.moe.num_experts=8",
+    "model.moe.num_experts_per_tok=2", "model.moe.moe_intermediate_size=256",
+]
+MOE_STRATEGIES = ("ddp", "zero3", "fsdp")
 # state_bytes key -> MemoryEstimate fields it is compared with
 COMPARED = {
     "params": ("params_bytes", "persistent_bytes"),  # zero3's persistent parameters: kept whole
@@ -38,9 +44,11 @@ COMPARED = {
 }
 
 
-def overrides(strategy: str, precision: str, defer: bool = False, persistence: bool = False) -> list[str]:
-    """MODEL as `strategy` runs it; `persistence`: at DeepSpeed's default stage3_param_persistence_threshold."""
-    model = [o for o in MODEL if not persistence or "persistence_threshold" not in o]
+def overrides(strategy: str, precision: str, defer: bool = False, persistence: bool = False,
+              moe: bool = False) -> list[str]:
+    """MODEL as `strategy` runs it; `persistence`: at DeepSpeed's default stage3_param_persistence_threshold;
+    `moe`: with MOE's mixture of experts."""
+    model = [o for o in MODEL if not persistence or "persistence_threshold" not in o] + (MOE if moe else [])
     return model + [f"strategy.name={strategy}", f"train.precision={precision}",
                     f"strategy.fsdp_defer_grad_reduce={str(defer).lower()}"]
 
@@ -74,20 +82,20 @@ def measure_states(cfg, rank: int, world: int, local_rank: int, device) -> dict[
 
 
 def measure_worker(runs: list[list[str]]) -> list[dict]:
-    """On every rank, per (strategy, precision, ...): measure_states of its config."""
+    """On every rank, per (strategy, precision, defer[, persistence, moe]): measure_states of its config."""
     from zerodp.distributed.process_group import init_distributed
 
     env = init_distributed("cpu")
-    return [measure_states(load_config(None, overrides(name, precision, defer, *persistence)), env.rank,
+    return [measure_states(load_config(None, overrides(name, precision, defer, *rest)), env.rank,
                            env.world_size, env.local_rank, env.device)
-            for name, precision, defer, *persistence in runs]
+            for name, precision, defer, *rest in runs]
 
 
-def predictions(strategy: str, precision: str, defer: bool, persistence: bool = False):
+def predictions(strategy: str, precision: str, defer: bool, persistence: bool = False, moe: bool = False):
     """The planner's row for `strategy`, through the same entry point as `strategy: auto`."""
     from zerodp.planner import plan_for_training
 
-    cfg = load_config(None, overrides(strategy, precision, defer, persistence))
+    cfg = load_config(None, overrides(strategy, precision, defer, persistence, moe))
     plan = plan_for_training(cfg, WORLD, 64 * 2**30, "cpu")
     return next(e for e in plan.estimates if e.strategy == strategy)
 
@@ -99,30 +107,36 @@ def test_state_bytes_match_the_planner_within_5_percent():
     cfg = load_config(None, overrides("ddp", "bf16"))
     P = param_count(cfg.model)
     assert spec_from_model_config(cfg.model).params == P
-    # + fsdp deferring its reduce-scatter to the last micro batch: 4P of unsharded fp32 gradients
-    runs = [(s, p, False) for p in PRECISIONS for s in STRATEGIES] + [("fsdp", "bf16", True)]
+    moe = load_config(None, overrides("ddp", "bf16", moe=True))
+    assert spec_from_model_config(moe.model).params == param_count(moe.model)
+    assert spec_from_model_config(moe.model).active_params < 0.6 * param_count(moe.model)  # 2 of 8 experts
+    # + fsdp deferring its reduce-scatter to the last micro batch: 4P of unsharded fp32 gradients; + a
+    # mixture of experts (every expert held, whatever the routing) in the same world
+    runs = [(s, p, False) for p in PRECISIONS for s in STRATEGIES] + [("fsdp", "bf16", True)] \
+        + [(s, "bf16", False, False, True) for s in MOE_STRATEGIES]
     measured = run_distributed("tests.distributed.test_planner_validation:measure_worker", WORLD, {"runs": runs})
 
     lines = [f"P = {P:,} parameters, world {WORLD}; bytes per rank (rank 0 / rank 1) vs planner "
              f"(* = strategy.fsdp_defer_grad_reduce)",
-             f"{'strategy':<9}{'prec':<6}{'state':<16}{'rank 0':>12}{'rank 1':>12}{'planner':>12}{'x P':>7}"
+             f"{'strategy':<10}{'prec':<6}{'state':<16}{'rank 0':>12}{'rank 1':>12}{'planner':>12}{'x P':>7}"
              f"{'error':>8}"]
     failures = []
-    for r, (strategy, precision, defer) in enumerate(runs):
-        e = predictions(strategy, precision, defer)
+    for r, (strategy, precision, defer, *rest) in enumerate(runs):
+        e = predictions(strategy, precision, defer, *rest)
         precision += "*" if defer else ""
+        strategy += "/moe" if rest else ""
         for key, fields in COMPARED.items():
             predicted = sum(getattr(e, f) for f in fields)
             got = [m[r].get(key) for m in measured]
             if not got[0] and predicted == 0:
                 continue  # a state this engine does not have, and the planner agrees
             error = max(abs(g - predicted) for g in got) / max(predicted, 1)
-            lines.append(f"{strategy:<9}{precision:<6}{key:<16}{got[0]:>12,}{got[1]:>12,}{predicted:>12,}"
+            lines.append(f"{strategy:<10}{precision:<6}{key:<16}{got[0]:>12,}{got[1]:>12,}{predicted:>12,}"
                          f"{predicted / P:>7.2f}{error:>8.2%}")
             if error > TOLERANCE:
                 failures.append(f"{strategy} {precision} {key}: measured {got}, planner {predicted}")
         if strategy.startswith("zero"):  # shown, not asserted: buckets exist only during backward
-            lines.append(f"{strategy:<9}{precision:<6}{'buckets (info)':<16}{measured[0][r]['buckets']:>12,}"
+            lines.append(f"{strategy:<10}{precision:<6}{'buckets (info)':<16}{measured[0][r]['buckets']:>12,}"
                          f"{measured[1][r]['buckets']:>12,}{e.bucket_bytes:>12,}")
     print("\n" + "\n".join(lines))
     assert not failures, "\n".join(failures)

@@ -130,7 +130,7 @@ def test_offloaded_bytes_are_what_deepspeed_holds_in_host_memory(extra, measured
 def test_activation_factor_matches_the_paper():
     m = dataclasses.replace(gpt2_spec("t", 2, 4, 64, 100, 32, dropout=True), fused_attention=False)
     assert layer_activation_factor(m, 32) == pytest.approx(34 + 5 * 4 * 32 / 64)
-    fused = gpt2_spec("t", 2, 4, 64, 100, 32, dropout=True)
+    fused = dataclasses.replace(m, fused_attention=True)
     assert layer_activation_factor(fused, 32) == pytest.approx(34)  # SDPA drops the s^2 term
     assert layer_activation_factor(gpt2_spec("t", 2, 4, 64, 100, 32), 32) == pytest.approx(32)  # no masks
     assert layer_activation_factor(preset("llama2-7b"), 4096) == pytest.approx(10 + 2 + 8 * 11008 / 4096 + 4)
@@ -143,17 +143,131 @@ def test_activation_factor_matches_the_paper():
 
 
 def test_activation_bytes_hand_computed():
-    m = dataclasses.replace(gpt2_spec("t", 2, 4, 64, 100, 32, dropout=True), fused_attention=False)
-    one_layer = 32 * 2 * 64 * 44  # s*b*h*(34 + 5*a*s/h)
+    m = gpt2_spec("t", 2, 4, 64, 100, 32, dropout=True)
+    assert not m.fused_attention  # dropout: zerodp's explicit attention (KeyedDropout.attend)
+    # s*b*h*(34 + 5*a*s/h) and what the explicit attention keeps beyond it: the fp32 softmax (4 bytes, not 2)
+    # per element of the (b, a, s, s) probabilities, +2*a*s/h
+    one_layer = 32 * 2 * 64 * (44 + 4)
     logits = 2 * 32 * 100 * 12  # b*s*V: at the loss's backward, fp32 log-probs, their gradient, the logits'
     assert activation_bytes(m, Workload(2, 32, "bf16"), False) == 2 * one_layer + logits
     assert activation_bytes(m, Workload(2, 32, "bf16"), True) == 2 * (2 * 32 * 2 * 64) + one_layer + logits
-    assert activation_bytes(m, Workload(2, 32, "fp32"), False) == 2 * 2 * one_layer + logits
+    # fp32: 4 + 1 + 4 bytes per probability, the paper's 5 x 2 counting the mask as 4-byte: -1 in 16-bit units
+    assert activation_bytes(m, Workload(2, 32, "fp32"), False) == 2 * 2 * 32 * 2 * 64 * (44 - 1) + logits
     # under autocast (single, ddp) LayerNorm keeps the fp32 residual stream: +2 bytes per norm, and the
     # 16-bit copies of every weight that multiplies
     copies = 2 * m.params
     assert activation_bytes(m, Workload(2, 32, "bf16"), False, autocast=True) == \
         2 * (one_layer + 32 * 2 * 64 * 4) + logits + copies
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_explicit_attention_keeps_what_the_planner_counts(family, precision):
+    """A model that trains with dropout computes attention explicitly (KeyedDropout.attend) and keeps the
+    (b, a, s, s) probabilities: one block's saved tensors (a 2-block model's less a 1-block one's, weights
+    left out) measured under torch's saved-tensor hooks, within 5% of the planner's one layer."""
+    import torch
+
+    from zerodp.models import build_model
+    from zerodp.planner.models import spec_from_model_config
+
+    dims = {"gpt2": dict(n_head=4, n_embd=64), "llama": dict(arch="llama", n_head=4, n_kv_head=2, n_embd=64,
+                                                             intermediate_size=160)}[family]
+    x = torch.randint(0, 100, (2, 64))
+    measured, planned = [], []
+    for n_layer in (1, 2):
+        cfg = ModelConfig(**dims, n_layer=n_layer, vocab_size=100, block_size=64, dropout=0.1)
+        model = build_model(cfg, seed=0).train().to(torch.float32 if precision == "fp32" else torch.bfloat16)
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in weights:
+                saved[s.data_ptr()] = s.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x)
+        measured.append(sum(saved.values()))
+        planned.append(activation_bytes(spec_from_model_config(cfg), Workload(2, 64, precision), False))
+    one_layer = measured[1] - measured[0]
+    assert planned[1] - planned[0] == pytest.approx(one_layer, rel=0.05)
+
+
+def _saved_bytes(model, x, autocast: bool) -> int:
+    """Bytes of the tensors a training forward of `model` keeps for backward (weights left out)."""
+    import torch
+
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, x)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "autocast"])
+def test_qk_norms_keep_what_the_planner_counts(precision):
+    """Qwen3's per-head q and k RMSNorms: a qwen3 block keeps, beyond the llama block of the same shape,
+    their fp32 inputs and outputs (zerodp.planner.activations.qk_norm_extra), measured under saved-tensor
+    hooks within 5% (the planner counted none of it: 0 against 76,800 bytes in bf16)."""
+    import torch
+
+    from zerodp.config import load_config
+    from zerodp.models import build_model
+    from zerodp.planner.models import spec_from_model_config
+
+    x = torch.randint(0, 64, (2, 64))
+    measured, planned = {}, {}
+    for arch in ("llama", "qwen3"):
+        cfg = load_config(None, [f"model.arch={arch}", "model.n_layer=1", "model.n_head=4", "model.n_kv_head=2",
+                                 "model.n_embd=64", "model.block_size=64", "model.vocab_size=64",
+                                 "model.intermediate_size=64"])
+        model = build_model(cfg.model, seed=0).train().to(torch.bfloat16 if precision == "bf16" else torch.float32)
+        measured[arch] = _saved_bytes(model, x, precision == "autocast")
+        planned[arch] = activation_bytes(spec_from_model_config(cfg.model),
+                                         Workload(2, 64, "fp32" if precision == "fp32" else "bf16"), False,
+                                         autocast=precision == "autocast")
+    norms = measured["qwen3"] - measured["llama"]
+    assert planned["qwen3"] - planned["llama"] == pytest.approx(norms, rel=0.05)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "autocast"])
+def test_moe_block_keeps_what_the_planner_counts(precision):
+    """A qwen3_moe block (8 experts of width 32, 2 per token, norm_topk_prob) keeps, beyond the dense
+    qwen3 block with a SwiGLU MLP of width 2 x 32, the routed copies, the router's probabilities and the
+    routing indices (zerodp.planner.moe.routed_bytes_per_token): measured under saved-tensor hooks, the
+    difference within 5% of the planner's (which counted none of it: 0 against 110,656 bytes in bf16)."""
+    import torch
+
+    from zerodp.config import load_config
+    from zerodp.models import build_model
+    from zerodp.planner.models import spec_from_model_config
+
+    x = torch.randint(0, 64, (2, 64))
+    measured, planned = {}, {}
+    for arch in ("qwen3", "qwen3_moe"):
+        o = [f"model.arch={arch}", "model.n_layer=1", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=64",
+             "model.block_size=64", "model.vocab_size=64", "model.intermediate_size=64"]
+        if arch == "qwen3_moe":
+            o += ["model.moe.num_experts=8", "model.moe.num_experts_per_tok=2", "model.moe.moe_intermediate_size=32",
+                  "model.moe.norm_topk_prob=true"]
+        cfg = load_config(None, o)
+        model = build_model(cfg.model, seed=0).train().to(torch.bfloat16 if precision == "bf16" else torch.float32)
+        measured[arch] = _saved_bytes(model, x, precision == "autocast")
+        spec = spec_from_model_config(cfg.model)
+        planned[arch] = activation_bytes(spec, Workload(2, 64, "fp32" if precision == "fp32" else "bf16"), False,
+                                         autocast=precision == "autocast")
+    routed = measured["qwen3_moe"] - measured["qwen3"]
+    assert planned["qwen3_moe"] - planned["qwen3"] == pytest.approx(routed, rel=0.05)
 
 
 # --- communication and time ------------------------------------------------------------------------

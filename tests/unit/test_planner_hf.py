@@ -67,6 +67,19 @@ PUBLISHED = {
                      "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
                      "max_position_embeddings": 32768, "tie_word_embeddings": False, "bos_token_id": 1,
                      "eos_token_id": 2},
+    # Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B's config.json (the keys that change a shape)
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_attention_heads": 32, "num_hidden_layers": 48,
+                      "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+                      "bos_token_id": 151643, "eos_token_id": 151645},
+    "qwen3-235b-a22b": {"model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288,
+                        "moe_intermediate_size": 1536, "num_attention_heads": 64, "num_hidden_layers": 94,
+                        "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
+                        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                        "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+                        "bos_token_id": 151643, "eos_token_id": 151645},
     "qwen1.5-moe-a2.7b": {"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
                           "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
                           "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
@@ -154,6 +167,8 @@ def test_gpt2_honours_tie_word_embeddings(tmp_path, tied, count):
 @pytest.mark.parametrize("name,total,active", [
     ("mixtral-8x7b", 46_702_792_704, 12_879_925_248),
     ("qwen1.5-moe-a2.7b", 14_315_784_192, 2_689_173_504),
+    ("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),  # published: 30.5B total, 3.3B activated
+    ("qwen3-235b-a22b", 235_093_634_560, 22_190_763_520),  # published: 235B total, 22B activated
 ])
 def test_moe_total_and_active_published(name, total, active, tmp_path):
     spec = spec_of(PUBLISHED[name], tmp_path)
@@ -163,7 +178,7 @@ def test_moe_total_and_active_published(name, total, active, tmp_path):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama2-7b", "llama3.2-1b", "mistral-7b", "qwen2.5-7b", "qwen3-0.6b",
                                   "qwen3-8b", "gemma-7b", "gemma2-9b", "phi3-mini", "mixtral-8x7b",
-                                  "qwen1.5-moe-a2.7b"])
+                                  "qwen1.5-moe-a2.7b", "qwen3-30b-a3b", "qwen3-235b-a22b"])
 def test_presets_are_the_published_configs(name, tmp_path):
     assert preset(name).arch.param_shapes() == spec_of(PUBLISHED[name], tmp_path).arch.param_shapes()
 
@@ -176,6 +191,28 @@ def test_moe_memory_counts_every_expert_and_compute_the_routed_ones():
     assert e.compute_s == pytest.approx(m.arch.flops_per_token(4096) * 4096 / (0.4 * 989e12))
     assert m.arch.flops_per_token(4096) < 6 * m.params / 3  # two of eight experts compute
     assert m.ffn_hidden == 2 * 14336  # each token passes two experts' SwiGLU
+
+
+def test_zero3_and_fsdp_gather_every_expert():
+    """A qwen3_moe of 2 sparse blocks, 8 experts of 256 x 128 (3 matrices each: 1,572,864 expert elements)
+    at world 2 in bf16: fsdp all-gathers them forward and again backward, 2 bytes x 1/2 (ring) x 2 passes;
+    zero3 forward only (the model is within DeepSpeed's reuse distance: nothing released before backward).
+    ddp gathers nothing; a dense model has no experts."""
+    from zerodp.config import load_config
+    from zerodp.planner.models import spec_from_model_config
+
+    cfg = load_config(None, ["model.arch=qwen3_moe", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2",
+                             "model.n_embd=128", "model.vocab_size=64", "model.moe.num_experts=8",
+                             "model.moe.num_experts_per_tok=2", "model.moe.moe_intermediate_size=256"])
+    m, c, w = spec_from_model_config(cfg.model), Cluster(gpu=gpu_preset("h100"), gpus_per_node=2), Workload(1, 64)
+    experts = 2 * 8 * 3 * 256 * 128
+    fsdp, zero3, ddp = (estimate(m, Layout(s, c, w)) for s in ("fsdp", "zero3", "ddp"))
+    assert fsdp.expert_gather_bytes == 0.5 * 2 * 2 * experts
+    assert zero3.expert_gather_bytes == 0.5 * 2 * experts
+    assert ddp.expert_gather_bytes == 0 and ddp.expert_gather_share == 0
+    assert 0.5 < fsdp.expert_gather_share < 1 and fsdp.expert_gather_s > 0
+    assert zero3.expert_gather_share == 1  # all else is under 1e5 elements: persistent, gathered after the step
+    assert estimate(preset("llama3.2-1b"), Layout("fsdp", c, w)).expert_gather_bytes == 0
 
 
 def test_plan_shows_active_parameters(tmp_path, capsys):

@@ -4,8 +4,10 @@ Pure arithmetic on the model's shape, the cluster and the step (docs/memory_mode
 group, no GPU, and neither torch nor deepspeed is imported, so `zerodp plan` answers instantly and
 `strategy: auto` can plan before anything is built.
 
-    estimate(model, layout) -> MemoryEstimate     one strategy's memory per GPU and step time (memory.py;
-                                                  its traffic collective by collective: traffic.py)
+    estimate(model, layout) -> MemoryEstimate     one strategy's memory per GPU and step time (memory.py,
+                                                  composing the formula modules: activations.py, lora.py,
+                                                  moe.py, persistence.py, traffic.py; the types they share:
+                                                  types.py)
     choose(model, cluster, workload) -> Plan      every strategy, the choice, and why (choose.py; the
                                                   rows, search and pick: rows.py; the sentences: reasons.py)
     plan_for_training(cfg, world_size, device_memory_bytes, device_name) -> Plan

@@ -8,15 +8,11 @@ arithmetic; the formulas, and the measurement they are calibrated on, are in doc
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from zerodp.models.chunking import CHECKPOINTING, loss_chunks
+from zerodp.models.chunking import loss_chunks
 from zerodp.planner.lora import adapter_activation_bytes
+from zerodp.planner.moe import routed_bytes_per_token, sparse_layers
+from zerodp.planner.types import Checkpointing, ModelSpec, Workload
 from zerodp.planner.units import COMPUTE_BYTES
-
-if TYPE_CHECKING:
-    from zerodp.planner.memory import Workload
-    from zerodp.planner.models import ModelSpec
 
 SELECTIVE_RECOMPUTE = 0.1
 """Share of the forward's time outside the matmuls and attention (norms, rotary, activation, residual adds,
@@ -24,30 +20,40 @@ casts): what selective checkpointing runs again in the backward. An estimate (el
 memory-bound; profiles of Llama-sized blocks put them near a tenth of the forward), not a measurement."""
 
 
-class Checkpointing(str):
-    """An activation checkpointing mode, one of zerodp.models.chunking.CHECKPOINTING, that is false when
-    "off": `if row.activation_checkpointing` asks whether anything is recomputed, and the text says which
-    mode. `Checkpointing(True)` is full, `Checkpointing(False)` off."""
-
-    def __new__(cls, value: bool | str = "off"):
-        if value is True or value is False:
-            value = "full" if value else "off"
-        assert value in CHECKPOINTING, value
-        return super().__new__(cls, value)
-
-    def __bool__(self) -> bool:
-        return self != "off"
-
-    @property
-    def rank(self) -> int:
-        """0 off, 1 selective, 2 full: the order of preference at equal speed."""
-        return CHECKPOINTING.index(self)
-
-
 def compute_factor(mode: str) -> float:
     """Training compute relative to no checkpointing (forward 1, backward 2): full runs the forward again
     (4/3), selective its element-wise share (SELECTIVE_RECOMPUTE of the forward)."""
     return {"off": 1.0, "selective": 1 + SELECTIVE_RECOMPUTE / 3, "full": 4 / 3}[mode]
+
+
+def explicit_attention_extra(m: ModelSpec, seq_len: int, precision: str) -> float:
+    """Bytes per s*b*h (16-bit units, as `layer_activation_factor`) that zerodp's explicit attention keeps
+    beyond Korthikanti's unfused count (zerodp.models.dropout.KeyedDropout.attend, the path of every model
+    that trains with dropout): per element of the (b, a, s, s) probabilities the fp32 softmax output (4
+    bytes), the bool keep mask (1) and the dropped probabilities in the compute dtype (what `@ v` keeps),
+    where the paper counts 5 in 16-bit units; and K and V repeated to every query head (grouped-query
+    attention), kept by the two matmuls at Q's width. Measured on CPU (tests/unit/test_planner.py,
+    test_explicit_attention_keeps_what_the_planner_counts). 0 for SDPA/flash attention."""
+    if m.fused_attention:
+        return 0.0
+    half = {"fp32": 2.0}.get(precision, 1.0)  # bytes of the compute dtype / 2
+    probs = 4 + (1 if m.dropout else 0) + 2 * half  # fp32 softmax, keep mask, the probabilities @ v keeps
+    scores = (probs / half - (5 if m.dropout else 2)) * m.n_head * seq_len / m.hidden
+    return scores + 4 * (m.q_dim - m.kv_dim) / m.hidden
+
+
+def qk_norm_extra(m: ModelSpec, precision: str) -> float:
+    """Bytes per s*b*h (16-bit units, as `layer_activation_factor`) that Qwen3's per-head q and k RMSNorms
+    keep: per element of q and k their fp32 input and normalised output (8 bytes; in 16 bits, autocast or
+    a 16-bit module, the fp32 copy and the 16-bit result, 6), and one fp32 reciprocal root per token and
+    head. Measured on CPU
+    (tests/unit/test_planner.py, test_qk_norms_keep_what_the_planner_counts). 0 without them."""
+    if not m.qk_norm:
+        return 0.0
+    half = {"fp32": 2.0}.get(precision, 1.0)  # bytes of the compute dtype / 2
+    per_element = 8 if precision == "fp32" else 6
+    heads = m.n_head * (1 + m.kv_dim / m.q_dim)  # q heads and kv heads: kv_dim / head_dim
+    return ((m.q_dim + m.kv_dim) * per_element + 4 * heads) / m.hidden / half
 
 
 def precision_extra(m: ModelSpec, precision: str, autocast: bool) -> float:
@@ -137,7 +143,7 @@ def layer_activation_factor(m: ModelSpec, seq_len: int) -> float:
     if not m.fused_attention:  # softmax output (+ its dropout mask and output) per head: a*s^2*b
         attn += (5 if m.dropout else 2) * m.n_head * seq_len / h
     if m.mlp == "swiglu":
-        mlp = 2 + 4 * 2 * m.ffn_hidden / h  # input; gate, up, silu(gate), product
+        mlp = 2 + 4 * 2 * m.ffn_hidden / h + drop  # input; gate, up, silu(gate), product; dropout mask
     else:
         mlp = 2 + 2 * 2 * m.ffn_hidden / h + drop  # input; GELU input, proj input; dropout mask
     return attn + mlp + 2 * m.norms_per_block  # + the norms' inputs
@@ -162,19 +168,25 @@ def document_mask_bytes(m: ModelSpec, w: Workload, cuda: bool) -> int:
 
 def activation_bytes(m: ModelSpec, w: Workload, checkpointing: bool | str, cuda: bool = True,
                      autocast: bool = False) -> int:
-    """Activations kept for backward for one micro batch under `checkpointing` (off, selective, full), the
-    head's logits and loss, the document mask (on a `cuda` device or not: the mask's kernel) and, with
-    `autocast` (fp32 parameters, 16-bit compute: `autocasts`), its 16-bit weight copies included."""
+    """Activations kept for backward for one micro batch under `checkpointing` (off, selective, full), a
+    mixture of experts' routed tokens and router (zerodp.planner.moe), the head's logits and loss, the
+    document mask (on a `cuda` device or not: the mask's kernel) and, with `autocast` (fp32 parameters,
+    16-bit compute: `autocasts`), its 16-bit weight copies included."""
     s, b, h = w.seq_len, w.micro_batch, m.hidden
     scale = COMPUTE_BYTES[w.precision] / 2  # the factors above are for 16-bit activations
-    one_layer = s * b * h * (layer_activation_factor(m, s) + precision_extra(m, w.precision, autocast)) * scale
+    factor = layer_activation_factor(m, s) + precision_extra(m, w.precision, autocast) \
+        + explicit_attention_extra(m, s, w.precision) + qk_norm_extra(m, w.precision)
+    one_layer = s * b * h * factor * scale
     mode = Checkpointing(checkpointing)
+    # a mixture of experts: each sparse block's routed copies and router (zerodp.planner.moe)
+    routed = s * b * routed_bytes_per_token(m, w.precision, autocast)
     if mode == "full":  # each block keeps its input (fp32 under autocast); one block is recomputed at a time
-        layers = m.n_layer * (4 if autocast else 2 * scale) * s * b * h + one_layer
+        layers = m.n_layer * (4 if autocast else 2 * scale) * s * b * h + one_layer + routed
     elif mode == "selective":  # each block keeps its matmul and attention outputs; one recomputed at a time
-        layers = m.n_layer * s * b * h * selective_factor(m, autocast) * scale + one_layer
+        layers = m.n_layer * s * b * h * selective_factor(m, autocast) * scale + one_layer \
+            + sparse_layers(m) * routed
     else:
-        layers = m.n_layer * one_layer
+        layers = m.n_layer * one_layer + sparse_layers(m) * routed
     head = head_loss_bytes(m, b * s, w.precision, w.loss_chunks, autocast)
     copies = autocast_copy_bytes(m, w.precision, autocast)
     adapters = adapter_activation_bytes(m, w, mode)  # a LoRA run's x A products (zerodp.planner.lora)

@@ -16,8 +16,8 @@ from zerodp.planner.choose import choose
 from zerodp.planner.hardware import GPUS, INTERCONNECTS, MFU, Cluster, GpuSpec, gpu_preset
 from zerodp.planner.hf_config import SUPPORTED as HF_MODEL_TYPES
 from zerodp.planner.lora import with_lora, without_lora
-from zerodp.planner.memory import Workload
 from zerodp.planner.models import PRESETS, preset, spec_from_hf_config, spec_from_model_config, spec_from_params
+from zerodp.planner.types import Workload
 from zerodp.planner.units import parse_bytes, parse_count
 
 EXAMPLES = """examples:

@@ -15,22 +15,19 @@ the model is built from); here is what they change in the memory and time model 
 * compute: the frozen weights need no weight gradient (4 FLOPs per parameter per token instead of 6), the
   adapters cost 6 per parameter; the optimizer step and offload traffic cover the adapters only.
 
-Torch-free; imports nothing of the planner at module level (zerodp.planner.models imports `with_lora`).
+Torch-free; reads the planner's types and units only (zerodp.planner.models imports `with_lora`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from zerodp.errors import UserError
 from zerodp.models.lora_spec import LoraSpec, adapter_count, adapter_shapes, check_targets
+from zerodp.planner.types import MemoryEstimate, ModelSpec, Workload
 from zerodp.planner.units import COMPUTE_BYTES, human_count, seconds
-
-if TYPE_CHECKING:
-    from zerodp.planner.memory import MemoryEstimate, Workload
-    from zerodp.planner.models import ModelSpec
 
 
 def with_lora(model: ModelSpec, spec: LoraSpec, where: str = "model.lora.targets") -> ModelSpec:

@@ -9,23 +9,28 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import asdict, dataclass
-from typing import Optional
 
 from zerodp.planner.activations import (  # noqa: F401  (activations' formulas, imported from here too)
     FLEX_BLOCK,
-    Checkpointing,
     activation_bytes,
     compute_factor,
     document_mask_bytes,
     layer_activation_factor,
 )
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
-from zerodp.planner.hardware import Cluster
 from zerodp.planner.lora import block_adapter_params, flops_per_token as lora_flops_per_token, frozen_bytes
-from zerodp.planner.models import ModelSpec
+from zerodp.planner.moe import expert_gather
 from zerodp.planner.persistence import persistent_param_bytes
 from zerodp.planner.traffic import collective_seconds, collectives, inter_node_sent
+from zerodp.planner.types import (  # noqa: F401  (the types estimate takes and returns, imported from here too)
+    ZERO3_KEEP_WINDOW,
+    ZERO3_PERSISTENCE_THRESHOLD,
+    Checkpointing,
+    Layout,
+    MemoryEstimate,
+    ModelSpec,
+    Workload,
+)
 from zerodp.planner.units import COMPUTE_BYTES
 from zerodp.strategies.catalog import STATES, StrategySpec, spec
 
@@ -37,174 +42,8 @@ CPU_ADAM_PARAMS_PER_S = 4e9
 """DeepSpeed CPUAdam throughput per node, parameters per second (ZeRO-Offload paper: ~1B in 0.2-0.3 s)."""
 PCIE_BYTES_PER_S = 20e9
 """Host<->GPU copy bandwidth per GPU for offloaded states."""
-ZERO3_PERSISTENCE_THRESHOLD = 100_000
-"""DeepSpeed's default stage3_param_persistence_threshold (elements)."""
-ZERO3_KEEP_WINDOW = 1_000_000_000
-"""max(stage3_max_reuse_distance, stage3_prefetch_bucket_size) at DeepSpeed's defaults (1e9, 5e7 elements)."""
 
 
-@dataclass(frozen=True)
-class Workload:
-    """What one step does on each GPU."""
-
-    micro_batch: int = 1
-    seq_len: int = 1024
-    precision: str = "bf16"
-    grad_accum_steps: int = 1
-    bucket_mb: Optional[int] = None
-    """strategy.bucket_size_mb: DDP buckets and DeepSpeed reduce/all-gather buckets; None: each engine's
-    recommended size (zerodp.planner.buckets)."""
-    fsdp_defer_grad_reduce: bool = False
-    """strategy.fsdp_defer_grad_reduce: FSDP keeps unsharded fp32 gradients while accumulating."""
-    fsdp_reshard_after_forward: bool = True
-    """strategy.reshard_after_forward: FSDP frees a block's gathered parameters after its forward and
-    all-gathers them again in backward."""
-    zero3_persistence_threshold: int = ZERO3_PERSISTENCE_THRESHOLD
-    """DeepSpeed's stage3_param_persistence_threshold: ZeRO-3 keeps parameters of at most this many
-    elements gathered; they are all-gathered once per step, after the optimizer step."""
-    zero3_keep_window: int = ZERO3_KEEP_WINDOW
-    """ZeRO-3 keeps a parameter gathered after its forward when at most this many parameter elements are
-    fetched before backward uses it again: the larger of DeepSpeed's stage3_max_reuse_distance and
-    stage3_prefetch_bucket_size (a parameter the prefetcher finds still gathered is not released)."""
-    grad_reduce_dtype: str = "fp32"
-    """strategy.grad_reduce_dtype: what zero1-3 accumulate and reduce bf16 gradients in."""
-    document_masking: bool = False
-    """data.document_masking: one document mask per micro batch (`document_mask_bytes`)."""
-    document_attention: str = "auto"
-    """model.document_attention: the kernel the mask is for (auto: flex on CUDA without dropout, else sdpa)."""
-    loss_chunks: int | str = "auto"
-    """model.loss_chunks: the head and loss in chunks (zerodp.planner.activations.head_loss_bytes)."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One way to run the job: a strategy and its options on a cluster."""
-
-    strategy: str
-    cluster: Cluster
-    workload: Workload
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    activation_checkpointing: Checkpointing | bool | str = Checkpointing("off")
-    """off | selective | full (true: full, false: off); held as a `Checkpointing`, false when off."""
-    hybrid: bool = False
-    """Across nodes: fsdp shards within a node and replicates across nodes (HSDP, strategy.hybrid_shard);
-    zero3 runs with ZeRO++ (hpZ secondary partition within the node, int8 weight all-gather, int4
-    gradient reduction: strategy.hpz_partition_size, quantized_weights, quantized_gradients)."""
-    hpz: bool = False
-    """zero3 with only some of ZeRO++ (a training config's own settings): hpZ's secondary partition..."""
-    qwz: bool = False
-    """...the int8 weight all-gather..."""
-    qgz: bool = False
-    """...the int4 gradient reduction."""
-
-    def __post_init__(self):
-        object.__setattr__(self, "activation_checkpointing", Checkpointing(self.activation_checkpointing))
-
-    @property
-    def spec(self) -> StrategySpec:
-        """The strategy's entry in the catalog."""
-        return spec(self.strategy)
-
-    @property
-    def zeropp(self) -> tuple[bool, bool, bool]:
-        """(hpZ, qwZ, qgZ) as this row runs them: all three for the zero3+zero++ row."""
-        if not self.spec.zeropp:
-            return False, False, False
-        return self.hpz or self.hybrid, self.qwz or self.hybrid, self.qgz or self.hybrid
-
-    @property
-    def name(self) -> str:
-        """The row name: 'zero2', 'zero3+offload_optimizer+offload_params', 'fsdp+offload', 'fsdp+hybrid',
-        'zero3+zero++' (or 'zero3+hpz+qwz' for some of it)."""
-        if self.hybrid and self.spec.hybrid_row:
-            return self.spec.hybrid_row
-        if any(self.zeropp):
-            return "+".join([self.strategy] + [k for k, on in zip(("hpz", "qwz", "qgz"), self.zeropp) if on])
-        if self.spec.offload_together and (self.offload_optimizer or self.offload_params):
-            return f"{self.strategy}+offload"  # FSDP's CPUOffloadPolicy moves parameters, gradients and optimizer
-        parts = [self.strategy]
-        parts += ["offload_optimizer"] if self.offload_optimizer else []
-        parts += ["offload_params"] if self.offload_params else []
-        return "+".join(parts)
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Per-GPU memory and per-step time of one layout. Bytes are per GPU unless named otherwise."""
-
-    name: str
-    strategy: str
-    offload_optimizer: bool
-    offload_params: bool
-    activation_checkpointing: Checkpointing
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    model_states_bytes: int
-    """params + grads + optimizer states resident on the GPU: the ZeRO paper's figure (16P, 4P + 12P/N,
-    2P + 14P/N, 16P/N), however the engine splits it between the three fields above."""
-    frozen_bytes: int
-    """Of params_bytes, the frozen base of a LoRA run (compute dtype, sharded under zero3/fsdp); 0 in full
-    fine-tuning (zerodp.planner.lora)."""
-    engine_master_bytes: int
-    """DeepSpeed (zero1-3) in fp32: the separate fp32 master copy of this rank's shard (4P/N) that the
-    optimizer steps and copies back, on top of the fp32 parameters; 0 otherwise."""
-    unsharded_grads_bytes: int
-    """FSDP with grad_accum_steps > 1: the full (unsharded) fp32 gradients it accumulates between micro
-    batches, reduce-scattering only on the last (4P); 0 otherwise."""
-    secondary_bytes: int
-    """zero3+zero++: hpZ's secondary partition, this rank's 1/(GPUs per node) of the 16-bit parameters
-    kept after the forward all-gather so that backward gathers within the node; 0 otherwise."""
-    persistent_bytes: int
-    """zero3: the parameters of at most stage3_param_persistence_threshold elements, kept whole on every rank
-    beside their partitions (zerodp/planner/persistence.py); 0 otherwise."""
-    gathered_bytes: int
-    """ZeRO-3/FSDP: full parameters (and gradients) of the units being computed."""
-    bucket_bytes: int
-    activations_bytes: int
-    overhead_bytes: int
-    total_bytes: int
-    hbm_bytes: int
-    usable_bytes: int
-    headroom_bytes: int
-    """usable_bytes - total_bytes: negative exactly when training does not fit (the MARGIN kept free)."""
-    offloaded_bytes: int
-    """States this GPU's rank keeps in CPU memory."""
-    cpu_bytes_per_node: int
-    cpu_fits: Optional[bool]
-    startup_bytes: int
-    """Start-up peak on this GPU, from building the model to the first step (overhead included, as in
-    total_bytes): what the engine materialises plus its transients (docs/memory_model.md, "Start-up")."""
-    startup_host_bytes_per_node: int
-    """Start-up peak in host RAM per node: a checkpoint tensor being loaded, DeepSpeed zero1/2 staging its
-    16-bit groups, states offloaded from the start; on a CPU device, every rank's start-up peak."""
-    startup_host_fits: Optional[bool]
-    """startup_host_bytes_per_node within the cluster's cpu_ram_bytes; None when that is not known."""
-    fits: bool
-    """total_bytes and startup_bytes within usable_bytes, and the CPU side (offloaded states, start-up
-    host peak) within cpu_ram_bytes where that is known."""
-    comm_bytes: int
-    """Bytes each GPU sends per optimizer step (ring collectives)."""
-    inter_node_bytes: int
-    """Bytes each node sends to the other nodes per optimizer step (0 on one node): what the slow link
-    carries."""
-    micro_batch: int
-    grad_accum_steps: int
-    exact: bool
-    """The row computes the same gradients as one process (every row but zero3+zero++, whose int8
-    weights and int4 gradients are approximations)."""
-    compute_s: float
-    comm_s: float
-    exposed_comm_s: float
-    offload_s: float
-    step_s: float
-    scaling_efficiency: float
-    """compute_s / step_s: the share of the step spent computing rather than waiting."""
-    tokens_per_s_per_gpu: float
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def model_states(params: int, world_size: int, strategy: str, precision: str) -> tuple[int, int, int]:
@@ -389,6 +228,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         if layout.offload_params:  # each micro batch fetches the parameter shard, forward and backward
             offload_s += 2 * cb * P / n * w.grad_accum_steps / PCIE_BYTES_PER_S
     step_s = compute_s + exposed_s + offload_s
+    experts = expert_gather(model, layout)
 
     return MemoryEstimate(
         name=layout.name, strategy=layout.strategy, offload_optimizer=layout.offload_optimizer,
@@ -409,4 +249,5 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         compute_s=compute_s, comm_s=overlap_s + waited_s,
         exposed_comm_s=exposed_s, offload_s=offload_s, step_s=step_s,
         scaling_efficiency=compute_s / step_s, tokens_per_s_per_gpu=tokens / step_s,
+        expert_gather_bytes=int(experts.sent), expert_gather_s=experts.seconds, expert_gather_share=experts.share,
     )

@@ -10,7 +10,6 @@ Everything here is arithmetic on a few integers; no model is built and torch is 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Optional
 
 from zerodp.errors import UserError
@@ -18,76 +17,11 @@ from zerodp.models import FAMILY_PACKAGES
 from zerodp.models.arch import Arch, arch_of, spec_of
 from zerodp.models.gpt2.spec import gpt2_arch
 from zerodp.models.llama.spec import llama_arch
-from zerodp.models.lora_spec import LoraSpec, lora_spec
+from zerodp.models.lora_spec import lora_spec
 from zerodp.planner.hf_config import arch_from_hf, read_hf_config
 from zerodp.planner.lora import with_lora
+from zerodp.planner.types import ModelSpec
 from zerodp.planner.units import lookup
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the planner needs to know about a decoder-only transformer."""
-
-    name: str
-    params: int
-    """Every parameter memory holds, a tied embedding counted once, every expert included, a LoRA run's
-    adapters included."""
-    n_layer: int
-    hidden: int
-    n_head: int
-    vocab_size: int
-    ffn_hidden: int
-    """Width of the MLP's inner layer one token passes through: 4*hidden for GPT-2, intermediate_size for
-    Llama; a mixture of experts: experts_per_token x the expert's width (+ the shared expert's)."""
-    kv_dim: int
-    """Width of K (and of V): kv_heads * head_dim; equals hidden without grouped-query attention."""
-    context: int
-    """Longest sequence the model accepts (block_size, n_positions, max_position_embeddings)."""
-    largest_unit_params: int
-    """Biggest group of parameters ZeRO-3/FSDP gathers at once: one block, or the embeddings."""
-    mlp: str = "gelu"
-    """'gelu' (GPT-2: fc, GELU, proj) or 'swiglu' (Llama: gate, up, down; Gemma's GeGLU alike)."""
-    dropout: bool = False
-    """Dropout active in training: its 1-byte masks are kept for backward."""
-    fused_attention: bool = True
-    """SDPA/flash attention: the s x s score matrices are never stored."""
-    shape_assumed: bool = False
-    """Layer dimensions were guessed from the parameter count alone."""
-    active_params: Optional[int] = None
-    """Parameters one token computes with (a mixture of experts: the experts it is routed to); step
-    time uses it. None: `params`."""
-    q_dim: Optional[int] = None
-    """Width of Q and of the attention output: n_head * head_dim (Gemma's exceeds hidden). None: hidden."""
-    norms_per_block: int = 2
-    """Norms in one block whose inputs backward keeps (Gemma 2: four)."""
-    arch: Optional[Arch] = field(default=None, repr=False, hash=False)
-    """The description it was derived from (names and shapes); None for a --params guess."""
-    largest_param: int = 0
-    """Elements of the largest single parameter (the embedding, vocab x hidden, or a MoE layer's stacked
-    experts): what loading a checkpoint holds in host memory at once. 0: `largest_unit_params`."""
-    largest_block_params: int = 0
-    """Elements of the largest transformer block. 0: `largest_unit_params`."""
-    trainable_params: Optional[int] = None
-    """Parameters that get gradients and optimizer states: a LoRA run's adapters (`zerodp.planner.lora`), the
-    rest frozen. None: `params` (full fine-tuning)."""
-    lora: Optional[LoraSpec] = None
-    """The adapters' settings of a LoRA run (`zerodp.planner.lora.with_lora`); None: full fine-tuning."""
-
-    def __post_init__(self):
-        for name in ("largest_param", "largest_block_params"):  # unknown: the larger bound, never less
-            if not getattr(self, name):
-                object.__setattr__(self, name, self.largest_unit_params)
-        if self.active_params is None:
-            object.__setattr__(self, "active_params", self.params)
-        if self.q_dim is None:
-            object.__setattr__(self, "q_dim", self.hidden)
-        if self.trainable_params is None:
-            object.__setattr__(self, "trainable_params", self.params)
-
-    @property
-    def frozen_params(self) -> int:
-        """Parameters without gradients or optimizer states: a LoRA run's base model; 0 in full fine-tuning."""
-        return self.params - self.trainable_params
 
 
 def spec_from_arch(a: Arch, name: str, dropout: bool = False) -> ModelSpec:
@@ -97,8 +31,9 @@ def spec_from_arch(a: Arch, name: str, dropout: bool = False) -> ModelSpec:
         name, a.param_count(), a.n_layer, a.n_embd, a.n_head, a.vocab_size,
         moe_ffn if a.n_experts and len(a.dense_layers) < a.n_layer else a.ffn, a.n_kv_head * a.head_dim,
         a.block_size, max(a.largest_block_params(), a.embedding_params()),
-        "gelu" if a.family == "gpt2" else "swiglu", dropout, active_params=a.active_param_count(),
-        q_dim=a.n_head * a.head_dim, norms_per_block=4 if a.family == "gemma2" else 2, arch=a,
+        "gelu" if a.family == "gpt2" else "swiglu", dropout, not dropout, active_params=a.active_param_count(),
+        q_dim=a.n_head * a.head_dim, norms_per_block=4 if a.family == "gemma2" else 2,
+        qk_norm=any(name.endswith("q_norm.weight") for name in a.block_shapes()), arch=a,
         largest_param=max(math.prod(s) for s in a.param_shapes().values()),
         largest_block_params=a.largest_block_params())
 

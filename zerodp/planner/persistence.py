@@ -9,14 +9,9 @@ zerodp.planner.traffic). Pure arithmetic, no torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from zerodp.planner.models import ModelSpec
 from zerodp.planner.traffic import _zero3_elements
+from zerodp.planner.types import Layout, ModelSpec
 from zerodp.planner.units import COMPUTE_BYTES
-
-if TYPE_CHECKING:
-    from zerodp.planner.memory import Layout
 
 
 def persistent_param_bytes(model: ModelSpec, layout: Layout) -> int:

@@ -5,18 +5,16 @@ does."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from zerodp.planner.activations import SELECTIVE_RECOMPUTE, Checkpointing
+from zerodp.planner.activations import SELECTIVE_RECOMPUTE
 from zerodp.planner.hardware import Cluster
-from zerodp.planner.memory import MARGIN, Layout, MemoryEstimate, Workload, estimate
-from zerodp.planner.models import ModelSpec
+from zerodp.planner.memory import MARGIN, estimate
+from zerodp.planner.plan import Plan
 from zerodp.planner.rows import CLOSE, TIE, best, layouts, offloads
+from zerodp.planner.types import Checkpointing, Layout, MemoryEstimate, ModelSpec, Workload
 from zerodp.planner.units import gb, seconds
 from zerodp.strategies.catalog import planned, spec
-
-if TYPE_CHECKING:
-    from zerodp.planner.choose import Plan
 
 
 def _where(c: Cluster) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from zerodp.planner.activations import loss_line, loss_setting
 from zerodp.planner.lora import comparison_lines, describe
 from zerodp.planner.memory import MARGIN
+from zerodp.planner.moe import gather_lines
 from zerodp.planner.units import gb, human_count, seconds
 
 SCHEMA_VERSION = 2
@@ -109,6 +110,8 @@ def render_table(plan) -> str:
     lines.append("")
     if plan.full_fine_tuning is not None:
         lines += comparison_lines(plan.estimates, plan.full_fine_tuning) + [""]
+    experts = gather_lines(plan.model, plan.estimates, plan.workload.precision)
+    lines += experts + ([""] if experts else [])
     lines += plan.reasons
     lines += [f"note: {a}" for a in plan.assumptions]
     return "\n".join(lines)

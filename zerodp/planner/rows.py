@@ -7,10 +7,9 @@ import dataclasses
 from typing import Optional
 
 from zerodp.models.chunking import CHECKPOINTING
-from zerodp.planner.activations import Checkpointing
 from zerodp.planner.hardware import Cluster
-from zerodp.planner.memory import Layout, MemoryEstimate, Workload, estimate
-from zerodp.planner.models import ModelSpec
+from zerodp.planner.memory import estimate
+from zerodp.planner.types import Checkpointing, Layout, MemoryEstimate, ModelSpec, Workload
 from zerodp.strategies.catalog import planned, spec
 
 

@@ -7,16 +7,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from zerodp.planner.buckets import grad_bytes
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.lora import param_shapes, trainable_shapes
-from zerodp.planner.models import ModelSpec
+from zerodp.planner.types import Layout, ModelSpec
 from zerodp.planner.units import COMPUTE_BYTES
-
-if TYPE_CHECKING:
-    from zerodp.planner.memory import Layout
 
 
 @dataclass(frozen=True)
@@ -147,27 +143,29 @@ def _shapes(model: ModelSpec, trainable_only: bool = False) -> dict[str, tuple[i
     return {**blocks, "rest": (max(0, model.params - model.n_layer * model.largest_block_params),)}
 
 
-def _fsdp_elements(model: ModelSpec, n: int, trainable_only: bool = False) -> tuple[int, int]:
+def _fsdp_elements(model: ModelSpec, n: int, trainable_only: bool = False, part: str = "") -> tuple[int, int]:
     """(all parameters, the blocks' parameters) as FSDP2 gathers them: dim 0 padded to a multiple of N;
-    `trainable_only`: of a LoRA run's adapters alone."""
+    `trainable_only`: of a LoRA run's adapters alone; `part`: of the parameters whose names contain it."""
     pad = lambda shape: -(-shape[0] // n) * n * math.prod(shape[1:]) if shape else 1  # noqa: E731
-    shapes = _shapes(model, trainable_only)
+    shapes = {name: s for name, s in _shapes(model, trainable_only).items() if part in name}
     prefix = model.arch.block_prefix + "." if model.arch is not None else "blocks."
     return (sum(pad(s) for s in shapes.values()),
             sum(pad(s) for name, s in shapes.items() if name.startswith(prefix)))
 
 
 def _zero3_elements(model: ModelSpec, n: int, threshold: int, keep_window: int,
-                    trainable_only: bool = False) -> tuple[int, int, int]:
+                    trainable_only: bool = False, part: str = "") -> tuple[int, int, int]:
     """(persistent, gathered, regathered) elements as ZeRO-3 partitions them, each parameter padded to a
     multiple of N. Parameters of at most `threshold` elements persist (stay gathered between uses).
     A block's others are released after its forward, and gathered again in backward, when the elements
     fetched in between (the later blocks forward and backward, and what is not in a block) exceed
     `keep_window`; otherwise they stay gathered until backward. What is not in a block (embeddings,
     final norm, head) is counted as used before the first block, an upper bound for the head.
-    `trainable_only`: the counts of a LoRA run's adapters alone (the reuse distances still the whole model's)."""
+    `trainable_only`: the counts of a LoRA run's adapters alone, `part`: of the parameters whose names
+    contain it (the reuse distances still the whole model's)."""
     shapes = _shapes(model)
     wanted = _shapes(model, trainable_only) if trainable_only else shapes
+    wanted = {name: s for name, s in wanted.items() if part in name}
     prefix = model.arch.block_prefix + "." if model.arch is not None else "blocks."
     persistent = 0
     blocks: dict[int, int] = {}  # block index -> its non-persistent elements

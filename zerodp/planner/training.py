@@ -8,8 +8,9 @@ from zerodp.errors import UserError
 from zerodp.models.chunking import checkpointing_mode
 from zerodp.planner.choose import Plan, choose
 from zerodp.planner.hardware import Cluster, gpu_from_device_name
-from zerodp.planner.memory import ZERO3_PERSISTENCE_THRESHOLD, Layout, MemoryEstimate, Workload, estimate
+from zerodp.planner.memory import estimate
 from zerodp.planner.models import spec_from_model_config
+from zerodp.planner.types import ZERO3_PERSISTENCE_THRESHOLD, Layout, MemoryEstimate, Workload
 from zerodp.strategies.catalog import spec
 
 

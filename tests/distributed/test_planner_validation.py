@@ -190,3 +190,26 @@ def test_offloaded_states_match_the_planner_host_with_host():
             if any(abs(g - predicted) > TOLERANCE * max(predicted, 2**20) for g in got):
                 failures.append(f"{extra} {key}: measured {got}, planner {predicted}")
     assert not failures, "\n".join(failures)
+
+
+def reference_worker(runs: list[list[str]]) -> list[dict]:
+    """On every rank, per (strategy, precision): the live DPO reference's state_bytes() (zerodp.trainer.objective's
+    frozen copy, set up as a DPO run sets it up) after one of its forwards, summed over every key."""
+    from types import SimpleNamespace
+
+    from zerodp.distributed.process_group import init_distributed
+    from zerodp.trainer.objective import _frozen_copy
+
+    env = init_distributed("cpu")
+    out = []
+    for name, precision in runs:
+        cfg = load_config(None, overrides(name, precision))
+        accum = cfg.train.global_batch_size // (cfg.train.micro_batch_size * env.world_size)
+        reference = _frozen_copy(cfg, SimpleNamespace(rank=env.rank, world_size=env.world_size,
+                                                      local_rank=env.local_rank, device=env.device,
+                                                      local_world_size=env.world_size), accum)
+        x = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.block_size))
+        with torch.no_grad(), reference.autocast():
+            reference.model(x, None)
+        out.append({k: v for k, v in reference.state_bytes().items() if isinstance(v, int)})
+    return out

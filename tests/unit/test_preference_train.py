@@ -137,7 +137,6 @@ def test_adapters_off_is_exactly_the_base(folder):
     ("dpo.label_smoothing=0.5", r"dpo.label_smoothing=0.5 must be in \[0, 0.5\)"),
     ("dpo.simpo_gamma=1", r"dpo.simpo_gamma=1.0 applies to dpo.loss=simpo"),
     ("train.micro_batch_size=3", r"train.micro_batch_size=3 would split a preference pair"),
-    ("strategy.name=auto", r"strategy.name=auto cannot choose for it; name the strategy"),
     ("data.packing=true", r"train.objective=dpo takes one sequence a row"),
 ])
 def test_bad_dpo_settings_are_refused(folder, override, pattern):

@@ -233,8 +233,8 @@ def check_objective(cfg: Config) -> None:
     if cfg.data.packing:
         raise ConfigError("train.objective=dpo takes one sequence a row (a pair is two rows): set data.packing=false")
     for key, n in (("train.global_batch_size", t.global_batch_size), ("train.micro_batch_size", t.micro_batch_size)):
-        if n == "auto":
-            raise ConfigError(f"{key}=auto is not planned for train.objective=dpo yet; give an even number")
+        if n == "auto":  # the planner searches the even micro batches (zerodp.planner.rows.search)
+            continue
         if n % 2:
             raise ConfigError(f"{key}={n} would split a preference pair (its chosen and rejected sequences are two "
                               f"adjacent rows); give an even number")
@@ -251,8 +251,6 @@ def dpo_reference(cfg: Config) -> str | None:
 
 def check_reference(cfg: Config) -> None:
     """dpo.reference: what exists, under the strategies it exists for."""
-    from zerodp.strategies.catalog import CATALOG
-
     d, given = cfg.dpo, cfg.dpo.reference
     if given is not None:
         _one_of("dpo.reference", given, DPO_REFERENCES)
@@ -269,7 +267,3 @@ def check_reference(cfg: Config) -> None:
         raise ConfigError("dpo.reference=live holds a second copy of the model; with model.lora the base with the "
                           "adapters off is the reference at no cost: use dpo.reference=adapters-off (or leave it "
                           "unset)")
-    if d.reference == "live" and cfg.strategy.name == "auto":
-        raise ConfigError(f"dpo.reference=live holds a frozen copy of the model the planner does not price yet, so "
-                          f"strategy.name=auto cannot choose for it; name the strategy (one of "
-                          f"{', '.join(CATALOG)})")

@@ -21,7 +21,13 @@ from zerodp.planner.buckets import bucket_bytes, grad_bytes
 from zerodp.planner.lora import block_adapter_params, flops_per_token as lora_flops_per_token, frozen_bytes
 from zerodp.planner.moe import expert_gather
 from zerodp.planner.persistence import persistent_param_bytes
-from zerodp.planner.traffic import collective_seconds, collectives, inter_node_sent
+from zerodp.planner.preference import (
+    avoidable_bytes as reference_avoidable,
+    reference_bytes,
+    reference_flops_per_token,
+    reference_gather_sent,
+)
+from zerodp.planner.traffic import Collective, collective_seconds, collectives, inter_node_sent
 from zerodp.planner.types import (  # noqa: F401  (the types estimate takes and returns, imported from here too)
     ZERO3_KEEP_WINDOW,
     ZERO3_PERSISTENCE_THRESHOLD,
@@ -196,7 +202,11 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     # activations and no gradients (the loss's backward) or with the gradients and (nearly) no activations.
     transient = max(acts, grads_b) - grads_b if s.frees_grads and w.grad_accum_steps == 1 else acts
     persistent = persistent_param_bytes(model, layout)
-    total = states + master_b + secondary + persistent + unsharded + gathered + buckets + transient + overhead
+    # DPO (zerodp.planner.preference): a live reference's weights for the whole run; its forward runs under
+    # no_grad before the policy's, its transient activations below the policy's peak. Not offloaded.
+    reference = reference_bytes(model, layout, w.dpo_reference)
+    total = (states + master_b + secondary + persistent + unsharded + gathered + buckets + transient + overhead
+             + reference)
     usable = int(c.gpu.hbm_bytes * (1 - MARGIN))
     cpu_node = offloaded * c.gpus_per_node
     cpu_fits = None if not offloaded or c.cpu_ram_bytes is None else cpu_node <= c.cpu_ram_bytes
@@ -215,8 +225,15 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     flops_per_token = train_flops_per_token(model, w.seq_len) * compute_factor(ac)
     redo = (compute_factor(ac) - 1) * 6  # the recomputed work, in units of 1/6 of a step without it
     peak = c.gpu.peak_flops_32 if w.precision == "fp32" else c.gpu.peak_flops_16
-    compute_s = flops_per_token * tokens / (c.mfu * peak)
+    # DPO: the reference's forward over every row (both sequences of each pair), a third of full fine-tuning's
+    full_flops = float(model.arch.flops_per_token(w.seq_len)) if model.arch is not None else \
+        6.0 * model.active_params + 12.0 * model.n_layer * w.seq_len * model.q_dim
+    reference_s = reference_flops_per_token(full_flops, w.dpo_reference) * tokens / (c.mfu * peak)
+    compute_s = flops_per_token * tokens / (c.mfu * peak) + reference_s
     parts = collectives(model, layout)
+    gather = reference_gather_sent(model, layout, w.dpo_reference)
+    if gather:
+        parts.append(Collective("all-gather the DPO reference's weights", "all", gather, True))
     overlap_s = sum(collective_seconds(x, c) for x in parts if x.overlappable)
     waited_s = sum(collective_seconds(x, c) for x in parts if not x.overlappable)
     # Gradient reduction can only hide behind the backward; ZeRO-3/FSDP prefetch behind everything.
@@ -249,5 +266,7 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         compute_s=compute_s, comm_s=overlap_s + waited_s,
         exposed_comm_s=exposed_s, offload_s=offload_s, step_s=step_s,
         scaling_efficiency=compute_s / step_s, tokens_per_s_per_gpu=tokens / step_s,
+        reference_bytes=reference, reference_avoidable_bytes=reference_avoidable(model, layout, w.dpo_reference),
+        reference_s=reference_s,
         expert_gather_bytes=int(experts.sent), expert_gather_s=experts.seconds, expert_gather_share=experts.share,
     )

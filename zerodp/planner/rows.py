@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from zerodp.errors import UserError
 from zerodp.models.chunking import CHECKPOINTING
 from zerodp.planner.hardware import Cluster
 from zerodp.planner.memory import estimate
@@ -70,15 +71,21 @@ def search(model: ModelSpec, base: Layout, requested: Optional[bool | str],
     (or as requested): (the one with the highest predicted tokens/s that fits, everything tried). When none
     fits, the smallest: micro batch 1, checkpointing full unless another mode was requested."""
     per_rank = global_batch // base.cluster.world_size
+    pairs = base.workload.objective == "dpo"  # a micro batch of whole preference pairs: even
+    if pairs and per_rank % 2:
+        raise UserError(f"train.objective=dpo: {global_batch} sequences over {base.cluster.world_size} ranks is "
+                        f"{per_rank} a rank, which would split a preference pair; give a global batch of an even "
+                        f"number of sequences per rank (e.g. {2 * per_rank * base.cluster.world_size})")
     tried = []
-    for b in divisors(per_rank):
+    for b in (d for d in divisors(per_rank) if d % 2 == 0 or not pairs):
         w = dataclasses.replace(base.workload, micro_batch=b, grad_accum_steps=per_rank // b)
         for ac in (CHECKPOINTING if requested is None else (Checkpointing(requested),)):
             tried.append(estimate(model, dataclasses.replace(base, workload=w, activation_checkpointing=ac)))
     fitting = [e for e in tried if e.fits]
     if not fitting:
         smallest = "full" if requested is None else Checkpointing(requested)
-        return next(e for e in tried if e.micro_batch == 1 and e.activation_checkpointing == smallest), tried
+        return next(e for e in tried if e.micro_batch == (2 if pairs else 1)
+                    and e.activation_checkpointing == smallest), tried
     return best(fitting), tried
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from zerodp.config.validation import dpo_reference
 from zerodp.errors import UserError
 from zerodp.models.chunking import checkpointing_mode
 from zerodp.planner.choose import Plan, choose
@@ -19,10 +20,13 @@ def workload_from_config(cfg, world_size: int) -> Workload:
     document masking, and train's gradient accumulation (Config.check_batch_split): a global batch that does not split
     evenly over `world_size` raises the ConfigError `zerodp train` would stop with."""
     t = cfg.train
-    if t.micro_batch_size == "auto":  # searched by the planner: start from micro batch 1
+    reference = dpo_reference(cfg) if t.objective == "dpo" else None
+    if t.micro_batch_size == "auto":  # searched by the planner: start from micro batch 1 (a DPO pair: 2)
         from zerodp.planner.choose import check_global_batch
         check_global_batch(t.global_batch_size, world_size, "train.global_batch_size")
-        micro, accum = 1, t.global_batch_size // world_size
+        per_rank = t.global_batch_size // world_size
+        micro = 2 if t.objective == "dpo" and per_rank % 2 == 0 else 1
+        micro, accum = micro, per_rank // micro
     else:
         micro, accum = t.micro_batch_size, cfg.check_batch_split(world_size)
     s = cfg.strategy
@@ -32,7 +36,7 @@ def workload_from_config(cfg, world_size: int) -> Workload:
                     int(zero.get("stage3_param_persistence_threshold", ZERO3_PERSISTENCE_THRESHOLD)),
                     int(max(zero.get("stage3_max_reuse_distance", 1e9), zero.get("stage3_prefetch_bucket_size", 5e7))),
                     s.grad_reduce_dtype, cfg.data.document_masking, cfg.model.document_attention,
-                    cfg.model.loss_chunks)
+                    cfg.model.loss_chunks, t.objective, reference)
 
 
 def plan_for_training(cfg, world_size: int, device_memory_bytes: int, device_name: str = "cpu", *,

@@ -143,6 +143,11 @@ class Workload:
     """model.document_attention: the kernel the mask is for (auto: flex on CUDA without dropout, else sdpa)."""
     loss_chunks: int | str = "auto"
     """model.loss_chunks: the head and loss in chunks (zerodp.planner.activations.head_loss_bytes)."""
+    objective: str = "sft"
+    """train.objective: "dpo" takes whole preference pairs, so its micro batch is even (zerodp.planner.rows.search)."""
+    dpo_reference: Optional[str] = None
+    """train.objective=dpo's reference as dpo.reference resolves it (live, adapters-off, precomputed;
+    zerodp.planner.preference); None: SFT, or dpo.loss=simpo (no reference)."""
 
 
 @dataclass(frozen=True)
@@ -271,6 +276,14 @@ class MemoryEstimate:
     scaling_efficiency: float
     """compute_s / step_s: the share of the step spent computing rather than waiting."""
     tokens_per_s_per_gpu: float
+    reference_bytes: int = 0
+    """train.objective=dpo with dpo.reference=live: what the frozen reference holds on this rank, within
+    total_bytes (zerodp.planner.preference); 0 for adapters-off, precomputed and SFT."""
+    reference_avoidable_bytes: int = 0
+    """Of reference_bytes, what the engine builds for any model it sets up and a frozen one never uses
+    (DeepSpeed's fp32 master partition and gradient buffers, the reducers' buckets)."""
+    reference_s: float = 0.0
+    """Of compute_s, the reference's forward (live, adapters-off)."""
     expert_gather_bytes: int = 0
     """Of comm_bytes, what the all-gathers of a mixture of experts' expert weights send (zero3, fsdp: every
     expert of every sparse block, forward and backward, whatever the routing; zerodp.planner.moe); 0 for

@@ -37,7 +37,7 @@ def layout(strategy, precision="bf16", world=8, reference="live", **workload):
 ])
 def test_a_live_reference_holds_what_the_engine_holds_of_a_model_it_sets_up(strategy, precision, expected):
     got = reference_states(MODEL, layout(strategy, precision), "live")
-    assert got == expected
+    assert got == {**expected, "offloaded": 0}
     assert avoidable_bytes(MODEL, layout(strategy, precision), "live") == sum(expected.values()) - expected["params"]
 
 
@@ -63,6 +63,14 @@ def test_the_reference_adds_its_bytes_and_a_forward_and_precomputed_adds_nothing
         live.comm_bytes == sft.comm_bytes
 
 
+def test_offload_moves_the_references_master_and_partitions_to_the_host():
+    both = dataclasses.replace(layout("zero3"), offload_optimizer=True, offload_params=True)
+    got = reference_states(MODEL, both, "live")
+    assert got["offloaded"] == 2 * math.ceil(P / 8) + 4 * math.ceil(P / 8) and got["params"] == got["master"] == 0
+    e, alone = estimate(MODEL, both), estimate(MODEL, dataclasses.replace(both, workload=Workload(2, 1024)))
+    assert e.offloaded_bytes - alone.offloaded_bytes == got["offloaded"]
+
+
 def test_precomputing_costs_one_forward_over_the_data():
     assert precompute_flops(6e9, 1000) == 2e12
 
@@ -85,3 +93,52 @@ def test_a_live_reference_is_planned_by_strategy_auto_and_an_auto_micro_batch(fo
 def cfg_params(cfg) -> int:
     from zerodp.models import param_count
     return param_count(cfg.model)
+
+
+def parse(*argv):
+    import argparse
+
+    from zerodp.planner.cli import add_parser
+    parser = argparse.ArgumentParser(prog="zerodp")
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["plan", *argv])
+
+
+def test_cli_objective_dpo_prints_its_rows_beside_sft(capsys):
+    import json
+
+    from zerodp.planner.cli import run
+    argv = ("--model", "llama2-7b", "--gpus", "8", "--hbm", "80GB")
+    assert run(parse(*argv, "--objective", "dpo")) == 0
+    out = capsys.readouterr().out
+    assert ("objective: dpo (preference pairs, micro batches of whole pairs), dpo.reference=live: a frozen copy of "
+            "the starting weights under the row's strategy (its bytes in 'refer'), a forward per micro batch") in out
+    assert "step: micro batch 2 x 4096 tokens" in out and " refer " in out.splitlines()[6]
+    assert "SFT vs DPO with dpo.reference=live (total GB per GPU" in out
+    assert "strategy                                  SFT  fits    DPO  fits  refer  avoidable" in out
+    # ddp's reference: fp32 weights and the reducer's fp32 buckets, 8 bytes a parameter
+    assert any(line.startswith("ddp ") and line.split()[5] == f"{8 * P / 1e9:.1f}" for line in out.splitlines())
+    assert run(parse(*argv, "--objective", "dpo", "--dpo-reference", "precomputed", "--json")) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["objective"] == "dpo" and got["dpo_reference"] == "precomputed"
+    assert [e["name"] for e in got["sft"]] == [e["name"] for e in got["strategies"]]
+    assert all(e["reference_bytes"] == 0 for e in got["strategies"])
+    assert run(parse(*argv)) == 0
+    out = capsys.readouterr().out
+    assert " refer " not in out and "SFT vs DPO" not in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--dpo-reference", "live"), "--dpo-reference live is DPO's reference model, and this plan is sft; add "
+                                  "--objective dpo"),
+    (("--objective", "dpo", "--dpo-reference", "adapters-off"), "--dpo-reference adapters-off switches LoRA's "
+                                                                "adapters off, and this plan has none"),
+    (("--objective", "dpo", "--lora-rank", "8", "--dpo-reference", "live"), "with adapters the base with them off "
+                                                                            "is the reference at no cost"),
+    (("--objective", "dpo", "--micro-batch", "3"), "--objective dpo: micro batch 3 would split a preference pair"),
+])
+def test_cli_dpo_flags_that_cannot_apply_are_one_line(argv, message):
+    from zerodp.errors import UserError
+    from zerodp.planner.cli import run
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        run(parse("--model", "llama2-7b", *argv))

@@ -7,6 +7,7 @@ never imports zerodp.cli.commands (no import circle). Imports neither torch nor 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from zerodp.errors import UserError
@@ -17,6 +18,7 @@ from zerodp.planner.hardware import GPUS, INTERCONNECTS, MFU, Cluster, GpuSpec, 
 from zerodp.planner.hf_config import SUPPORTED as HF_MODEL_TYPES
 from zerodp.planner.lora import with_lora, without_lora
 from zerodp.planner.models import PRESETS, preset, spec_from_hf_config, spec_from_model_config, spec_from_params
+from zerodp.planner.preference import REFERENCES
 from zerodp.planner.types import Workload
 from zerodp.planner.units import parse_bytes, parse_count
 
@@ -56,6 +58,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "Hugging Face names, comma-separated, e.g. q_proj,v_proj (default all-linear)")
     a.add_argument("--lora-alpha", type=float, metavar="A", help="with --lora-rank: the adapters' alpha, their "
                    "output scaled by alpha / rank (default 2 x rank); the memory does not depend on it")
+    o = p.add_argument_group("objective (DPO: shown beside SFT, the reference priced)")
+    o.add_argument("--objective", choices=("sft", "dpo"), help="train.objective (default sft, or the config's): dpo "
+                   "trains on preference pairs, its micro batch whole pairs (even)")
+    o.add_argument("--dpo-reference", choices=REFERENCES, help="with --objective dpo: dpo.reference (default "
+                   "adapters-off with --lora-rank, else live): live holds a frozen copy, adapters-off and precomputed "
+                   "none; live and adapters-off add a forward per micro batch")
     h = p.add_argument_group("hardware")
     h.add_argument("--gpus", type=int, default=1, help="GPUs per node (default 1)")
     h.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
@@ -237,11 +245,18 @@ def build(args):
                                 f"(--global-batch {global_batch} over {cluster.world_size} GPUs); leave "
                                 f"--micro-batch out to search it, or use a divisor of {per_rank}")
             micro, accum, global_batch = args.micro_batch, per_rank // args.micro_batch, None
+    objective, reference = _objective(args, cfg, model)
+    if objective == "dpo" and args.micro_batch is None and cfg is None and global_batch is None:
+        micro = 2  # one pair
+    if objective == "dpo" and micro % 2 and global_batch is None:
+        raise UserError(f"--objective dpo: micro batch {micro} would split a preference pair (its chosen and "
+                        f"rejected sequences); give an even --micro-batch such as {micro + 1}")
     workload = Workload(micro, args.seq_len or base.seq_len, args.precision or base.precision, accum, base.bucket_mb,
                         base.fsdp_defer_grad_reduce, base.fsdp_reshard_after_forward, base.zero3_persistence_threshold,
                         base.zero3_keep_window, document_masking=base.document_masking,
                         document_attention=base.document_attention,
-                        loss_chunks=base.loss_chunks if args.loss_chunks is None else _loss_chunks(args.loss_chunks))
+                        loss_chunks=base.loss_chunks if args.loss_chunks is None else _loss_chunks(args.loss_chunks),
+                        objective=objective, dpo_reference=reference)
     if args.activation_checkpointing:
         ckpt = "full" if args.activation_checkpointing == "on" else args.activation_checkpointing
     if model.shape_assumed:
@@ -251,9 +266,37 @@ def build(args):
     if model.lora is not None:  # the same rows fully fine-tuned, beside the adapters'
         full = choose(without_lora(model), cluster, workload, ckpt, global_batch=global_batch)
         plan.full_fine_tuning = full.estimates
+    if objective == "dpo":  # the same rows under SFT, beside DPO's
+        sft = dataclasses.replace(workload, objective="sft", dpo_reference=None)
+        plan.sft = choose(model, cluster, sft, ckpt, global_batch=global_batch).estimates
     plan.assumptions.extend(notes)
     plan.async_save = args.async_save or bool(cfg is not None and cfg.checkpoint.async_save)
     return plan
+
+
+def _objective(args, cfg, model) -> tuple[str, str | None]:
+    """(train.objective, the reference dpo.reference resolves to, None without one) from --objective and
+    --dpo-reference, else the config's; a UserError for a reference that cannot apply."""
+    from zerodp.config.validation import dpo_reference
+
+    given = args.objective or (cfg.train.objective if cfg is not None else "sft")
+    if given != "dpo":
+        if args.dpo_reference is not None:
+            raise UserError(f"--dpo-reference {args.dpo_reference} is DPO's reference model, and this plan is "
+                            f"{given}; add --objective dpo")
+        return given, None
+    lora = model.lora is not None
+    if args.dpo_reference is None:
+        if cfg is not None and cfg.train.objective == "dpo":
+            return given, dpo_reference(cfg)
+        return given, "adapters-off" if lora else "live"
+    if args.dpo_reference == "adapters-off" and not lora:
+        raise UserError("--dpo-reference adapters-off switches LoRA's adapters off, and this plan has none; add "
+                        "--lora-rank R, or use --dpo-reference live or precomputed")
+    if args.dpo_reference == "live" and lora:
+        raise UserError("--dpo-reference live holds a second copy of the model; with adapters the base with them "
+                        "off is the reference at no cost: use --dpo-reference adapters-off (or leave it out)")
+    return given, args.dpo_reference
 
 
 def _loss_chunks(value: str) -> int | str:

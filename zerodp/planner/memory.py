@@ -26,6 +26,7 @@ from zerodp.planner.preference import (
     reference_bytes,
     reference_flops_per_token,
     reference_gather_sent,
+    reference_offloaded,
 )
 from zerodp.planner.traffic import Collective, collective_seconds, collectives, inter_node_sent
 from zerodp.planner.types import (  # noqa: F401  (the types estimate takes and returns, imported from here too)
@@ -203,8 +204,9 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
     transient = max(acts, grads_b) - grads_b if s.frees_grads and w.grad_accum_steps == 1 else acts
     persistent = persistent_param_bytes(model, layout)
     # DPO (zerodp.planner.preference): a live reference's weights for the whole run; its forward runs under
-    # no_grad before the policy's, its transient activations below the policy's peak. Not offloaded.
+    # no_grad before the policy's, its transient activations below the policy's peak; offloaded as the policy is.
     reference = reference_bytes(model, layout, w.dpo_reference)
+    offloaded += reference_offloaded(model, layout, w.dpo_reference)
     total = (states + master_b + secondary + persistent + unsharded + gathered + buckets + transient + overhead
              + reference)
     usable = int(c.gpu.hbm_bytes * (1 - MARGIN))

@@ -42,6 +42,9 @@ class Plan:
     full_fine_tuning: Optional[list[MemoryEstimate]] = None
     """A LoRA plan's rows for the same model fully fine-tuned, shown beside them (`zerodp plan`); None
     otherwise."""
+    sft: Optional[list[MemoryEstimate]] = None
+    """A DPO plan's rows for the same run under train.objective=sft, shown beside them (`zerodp plan
+    --objective dpo`); None otherwise."""
 
     def snapshot_bytes_per_node(self, e: MemoryEstimate) -> int:
         """Host memory per node of one copy of each rank's checkpoint (checkpoint.async_save) for row `e`: a

@@ -29,8 +29,8 @@ import math
 from typing import Optional
 
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
-from zerodp.planner.types import Layout, ModelSpec
-from zerodp.planner.units import COMPUTE_BYTES
+from zerodp.planner.types import Layout, MemoryEstimate, ModelSpec
+from zerodp.planner.units import COMPUTE_BYTES, seconds
 
 REFERENCES = ("live", "adapters-off", "precomputed")
 """dpo.reference's values; None: no reference (SFT, or dpo.loss=simpo)."""
@@ -39,19 +39,21 @@ REFERENCES = ("live", "adapters-off", "precomputed")
 def reference_states(model: ModelSpec, layout: Layout, reference: Optional[str]) -> dict[str, int]:
     """Bytes per rank the reference holds for the whole run, by what they are: 'params' (its weights as the
     engine stores them), 'master' (DeepSpeed's fp32 master partition), 'grads' (gradient buffers DeepSpeed
-    allocates at start-up), 'buckets' (ddp's reducer buckets, zero3's reduce bucket). Every figure is 0 but
+    allocates at start-up), 'buckets' (ddp's reducer buckets, zero3's reduce bucket), 'offloaded' (what the
+    engine's offload keeps in host memory instead). Every figure is 0 but
     for a live reference. The reference is the starting model without adapters (`model.frozen_params` +
     adapters would be a LoRA policy; a live reference is refused with model.lora)."""
     if reference != "live":
-        return {"params": 0, "master": 0, "grads": 0, "buckets": 0}
+        return {"params": 0, "master": 0, "grads": 0, "buckets": 0, "offloaded": 0}
     s, w, n = layout.spec, layout.workload, layout.cluster.world_size
     P = model.params
     shard = math.ceil(P / n)
     held = shard if "params" in s.shards else P
     if s.fp32_params:  # single, ddp, fsdp: fp32 parameters are the engine's master weights
-        params, master = 4 * held, 0
         buckets = 4 * P if s.traffic == "all_reduce" and n > 1 else 0  # DDP's reducer, at wrap time
-        return {"params": params, "master": master, "grads": 0, "buckets": buckets}
+        if s.offload_together and (layout.offload_optimizer or layout.offload_params):  # CPUOffloadPolicy
+            return {"params": 0, "master": 0, "grads": 0, "buckets": buckets, "offloaded": 4 * held}
+        return {"params": 4 * held, "master": 0, "grads": 0, "buckets": buckets, "offloaded": 0}
     cb, gb = COMPUTE_BYTES[w.precision], grad_bytes(w.precision, w.grad_reduce_dtype)
     grads = buckets = 0
     if s.zero_stage == 1 and w.precision == "bf16" and w.grad_reduce_dtype == "fp32":
@@ -60,19 +62,35 @@ def reference_states(model: ModelSpec, layout: Layout, reference: Optional[str])
         grads = gb * shard
         buckets = bucket_bytes(3, model.hidden, P, w.precision, w.grad_reduce_dtype, False, w.bucket_mb,
                                model.largest_param) if n > 1 else 0
-    return {"params": cb * held, "master": 4 * shard, "grads": grads, "buckets": buckets}
+    states = {"params": cb * held, "master": 4 * shard, "grads": grads, "buckets": buckets, "offloaded": 0}
+    # offload (not measured for the reference): the engine's host copies as the policy's, its master partition
+    # with offload_optimizer, its parameter partitions with offload_params under zero3
+    if layout.offload_optimizer:
+        states["offloaded"] += states["master"]
+        states["master"] = 0
+    if layout.offload_params and "params" in s.shards:
+        states["offloaded"] += states["params"]
+        states["params"] = 0
+    return states
 
 
 def reference_bytes(model: ModelSpec, layout: Layout, reference: Optional[str]) -> int:
-    """Bytes per rank a DPO run's reference holds beside the policy (`reference_states`, summed)."""
-    return sum(reference_states(model, layout, reference).values())
+    """Bytes per rank a DPO run's reference holds on the device beside the policy (`reference_states`, summed
+    but for what it keeps in host memory)."""
+    states = reference_states(model, layout, reference)
+    return sum(states.values()) - states["offloaded"]
+
+
+def reference_offloaded(model: ModelSpec, layout: Layout, reference: Optional[str]) -> int:
+    """Bytes per rank of the reference in host memory under offload (`reference_states`' 'offloaded')."""
+    return reference_states(model, layout, reference)["offloaded"]
 
 
 def avoidable_bytes(model: ModelSpec, layout: Layout, reference: Optional[str]) -> int:
     """Of `reference_bytes`, what a frozen model needs not hold: DeepSpeed's master partition and gradient
     buffers and the reducers' buckets, which the engines build for any model they set up."""
     states = reference_states(model, layout, reference)
-    return states["master"] + states["grads"] + states["buckets"]
+    return states["master"] + states["grads"] + states["buckets"]  # on the device
 
 
 def reference_flops_per_token(full_flops_per_token: float, reference: Optional[str]) -> float:
@@ -95,3 +113,40 @@ def reference_gather_sent(model: ModelSpec, layout: Layout, reference: Optional[
         return 0.0
     frozen = model.params if reference == "live" else model.frozen_params
     return (n - 1) / n * COMPUTE_BYTES[w.precision] * frozen * w.grad_accum_steps
+
+
+REFERENCE_WORDS = {
+    "live": "a frozen copy of the starting weights under the row's strategy (its bytes in 'refer'), a forward "
+            "per micro batch",
+    "adapters-off": "the base with the adapters off: no copy, a forward per micro batch",
+    "precomputed": "log-probs computed in one pass at step 0 (a forward over the data): nothing held, no forward "
+                   "per step",
+}
+"""What each dpo.reference costs, as `zerodp plan --objective dpo`'s header says it."""
+
+
+def comparison_lines(dpo_rows: list[MemoryEstimate], sft_rows: list[MemoryEstimate],
+                     reference: Optional[str]) -> list[str]:
+    """The side-by-side table `zerodp plan --objective dpo` prints: each row's memory per GPU, whether it fits and
+    its step, under SFT and DPO (each at its own micro batch and checkpointing), and the reference's share."""
+    sft = {e.name: e for e in sft_rows}
+    rows = [("strategy", "SFT", "fits", "DPO", "fits", "refer", "avoidable", "ckpt SFT/DPO", "step SFT/DPO")]
+    for e in dpo_rows:
+        s = sft.get(e.name)
+        if s is None:
+            continue
+        rows.append((e.name, f"{s.total_bytes / 1e9:.1f}", "yes" if s.fits else "NO", f"{e.total_bytes / 1e9:.1f}",
+                     "yes" if e.fits else "NO", f"{e.reference_bytes / 1e9:.1f}",
+                     f"{e.reference_avoidable_bytes / 1e9:.1f}",
+                     f"{s.activation_checkpointing}/{e.activation_checkpointing}",
+                     f"{seconds(s.step_s)}/{seconds(e.step_s)}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"SFT vs DPO with dpo.reference={reference} (total GB per GPU, each row at its own checkpointing; "
+             f"refer: what the reference holds, avoidable: of it, the buffers the engine builds for any model and a "
+             f"frozen one never uses):"]
+    for r in rows:
+        lines.append("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)).rstrip())
+    only_sft = [e.name for e in dpo_rows if not e.fits and sft.get(e.name) and sft[e.name].fits]
+    if only_sft:
+        lines.append(f"Only without the reference (SFT): {', '.join(only_sft)}.")
+    return lines

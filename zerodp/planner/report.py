@@ -9,15 +9,17 @@ from zerodp.planner.activations import loss_line, loss_setting
 from zerodp.planner.lora import comparison_lines, describe
 from zerodp.planner.memory import MARGIN
 from zerodp.planner.moe import gather_lines
+from zerodp.planner.preference import REFERENCE_WORDS, comparison_lines as dpo_comparison_lines
 from zerodp.planner.units import gb, human_count, seconds
 
 SCHEMA_VERSION = 2
 
-_COLUMNS = ("strategy", "micro", "accum", "ckpt", "frozen", "params", "grads", "optim", "extra", "buffers", "activ",
-            "overhd", "total", "startup", "fits", "headroom", "comm/step", "inter/node", "step", "tok/s/gpu", "effic",
-            "cpu/node")
+_COLUMNS = ("strategy", "micro", "accum", "ckpt", "frozen", "params", "grads", "optim", "extra", "buffers", "refer",
+            "activ", "overhd", "total", "startup", "fits", "headroom", "comm/step", "inter/node", "step", "tok/s/gpu",
+            "effic", "cpu/node")
 """Column names; on CPU ranks 'tok/s/gpu' reads 'tok/s/rank' (`_column_names`); 'frozen' (a LoRA run's base
-weights, 'params' then the adapters') only under LoRA, 'inter/node' only across nodes."""
+weights, 'params' then the adapters') only under LoRA, 'refer' (DPO's live reference) only with
+--objective dpo, 'inter/node' only across nodes."""
 
 
 _SEARCH_FIELDS = ("micro_batch", "grad_accum_steps", "activation_checkpointing", "fits", "total_bytes", "step_s",
@@ -36,9 +38,13 @@ def _header(plan) -> list[str]:
     active = f", {human_count(m.active_params)} active per token" if m.active_params != m.params else ""
     lora = [f"adapters: {describe(m)}; params, grads, optim: the adapters'; frozen: the base weights in "
             f"{plan.workload.precision} (sharded under zero3 and fsdp)"] if m.lora is not None else []
+    w = plan.workload
+    dpo = [f"objective: dpo (preference pairs, micro batches of whole pairs), dpo.reference={w.dpo_reference}: "
+           f"{REFERENCE_WORDS[w.dpo_reference]}" if w.dpo_reference else
+           "objective: dpo, dpo.loss=simpo: no reference"] if w.objective == "dpo" else []
     return [
         f"zerodp plan: {m.name}, {human_count(m.params)} parameters ({m.params:,}{active}; {shape})",
-        *lora,
+        *lora, *dpo,
         f"cluster: {c.world_size} x {c.gpu.name} {gb(c.gpu.hbm_bytes)} ({nodes}), {c.link}, "
         f"MFU {c.mfu:.0%}" + (f", CPU RAM {gb(c.cpu_ram_bytes)}/node" if c.cpu_ram_bytes else ""),
         (f"step: global batch {plan.global_batch} sequences x {w.seq_len} tokens, micro batch searched among the "
@@ -65,16 +71,16 @@ def _loss(plan) -> str:
 def _cells(e) -> list[str]:
     """One row. 'extra' is what an engine holds beyond the paper's model states (DeepSpeed's fp32 master
     copy in fp32, FSDP's unsharded gradients while accumulating, hpZ's secondary partition, ZeRO-3's
-    persistent parameters); 'buffers'
-    gathered layers and buckets; 'startup' the peak from building the model to the first step (the host
-    side is in the JSON); 'inter/node' what each node sends to the others per step."""
+    persistent parameters); 'buffers' gathered layers and buckets; 'refer' what DPO's live reference holds;
+    'startup' the peak from building the model to the first step (the host side is in the JSON); 'inter/node'
+    what each node sends to the others per step."""
     g = lambda b: f"{b / 1e9:.1f}"  # noqa: E731
     return [
         e.name, str(e.micro_batch), str(e.grad_accum_steps), CKPT_COLUMN.get(e.activation_checkpointing, "off"),
         g(e.frozen_bytes), g(e.params_bytes - e.frozen_bytes), g(e.grads_bytes),
         g(e.optimizer_bytes), g(e.engine_master_bytes + e.unsharded_grads_bytes + e.secondary_bytes
                                  + e.persistent_bytes),
-        g(e.gathered_bytes + e.bucket_bytes), g(e.activations_bytes),
+        g(e.gathered_bytes + e.bucket_bytes), g(e.reference_bytes), g(e.activations_bytes),
         g(e.overhead_bytes), g(e.total_bytes), g(e.startup_bytes), "yes" if e.fits else "NO", g(e.headroom_bytes),
         g(e.comm_bytes), g(e.inter_node_bytes) if e.inter_node_bytes else "-", seconds(e.step_s),
         f"{e.tokens_per_s_per_gpu:,.0f}", f"{e.scaling_efficiency:.0%}",
@@ -102,6 +108,8 @@ def render_table(plan) -> str:
         rows = _drop(rows, "inter/node")
     if plan.model.lora is None:  # full fine-tuning: nothing is frozen
         rows = _drop(rows, "frozen")
+    if plan.workload.objective != "dpo":  # no reference
+        rows = _drop(rows, "refer")
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = _header(plan) + [""]
     for r in rows:
@@ -110,6 +118,8 @@ def render_table(plan) -> str:
     lines.append("")
     if plan.full_fine_tuning is not None:
         lines += comparison_lines(plan.estimates, plan.full_fine_tuning) + [""]
+    if plan.sft is not None:
+        lines += dpo_comparison_lines(plan.estimates, plan.sft, plan.workload.dpo_reference) + [""]
     experts = gather_lines(plan.model, plan.estimates, plan.workload.precision)
     lines += experts + ([""] if experts else [])
     lines += plan.reasons
@@ -155,4 +165,7 @@ def plan_dict(plan) -> dict:
         "strategies": [dict(e.to_dict(), async_save_host_bytes_per_node=plan.snapshot_bytes_per_node(e))
                        for e in plan.estimates],
         "full_fine_tuning": None if plan.full_fine_tuning is None else [e.to_dict() for e in plan.full_fine_tuning],
+        "objective": w.objective,
+        "dpo_reference": w.dpo_reference,
+        "sft": None if plan.sft is None else [e.to_dict() for e in plan.sft],
     }

@@ -213,3 +213,39 @@ def reference_worker(runs: list[list[str]]) -> list[dict]:
             reference.model(x, None)
         out.append({k: v for k, v in reference.state_bytes().items() if isinstance(v, int)})
     return out
+
+
+def test_a_live_dpo_reference_holds_what_the_planner_says_within_5_percent():
+    """dpo.reference=live's frozen copy, set up as a DPO run sets it up and run forward once, per strategy and
+    precision: each of its state_bytes() keys against zerodp.planner.preference.reference_states (DeepSpeed's
+    optimizer keeps an fp32 master partition, 'optim', for a model it never steps). ddp's reducer buckets
+    (4P, predicted) are not tensors state_bytes() reaches."""
+    import dataclasses
+
+    from zerodp.planner import estimate, spec_from_model_config
+    from zerodp.planner.preference import reference_states
+    from zerodp.planner.training import _cluster, _layout, workload_from_config
+
+    runs = [(s, p) for p in PRECISIONS for s in STRATEGIES]
+    measured = run_distributed("tests.distributed.test_planner_validation:reference_worker", WORLD, {"runs": runs})
+    keys = {"params": "params", "optim": "master", "grads": "grads", "buckets": "buckets"}
+    lines, failures = [f"{'strategy':<10}{'prec':<6}{'state':<10}{'rank 0':>12}{'rank 1':>12}{'planner':>12}"], []
+    for r, (strategy, precision) in enumerate(runs):
+        cfg = load_config(None, overrides(strategy, precision))
+        layout = _layout(cfg, _cluster(WORLD, 64 * 2**30, "cpu", None)[0], workload_from_config(cfg, WORLD))
+        layout = dataclasses.replace(layout, workload=dataclasses.replace(layout.workload, objective="dpo",
+                                                                          dpo_reference="live"))
+        model = spec_from_model_config(cfg.model)
+        predicted = reference_states(model, layout, "live")
+        assert estimate(model, layout).reference_bytes == sum(predicted.values())
+        for key, planned in keys.items():
+            got = [m[r].get(key, 0) for m in measured]
+            if key not in measured[0][r] and strategy == "ddp" and key == "buckets":
+                continue  # the reducer's, not reached by state_bytes
+            if not got[0] and predicted[planned] == 0:
+                continue
+            lines.append(f"{strategy:<10}{precision:<6}{key:<10}{got[0]:>12,}{got[1]:>12,}{predicted[planned]:>12,}")
+            if max(abs(g - predicted[planned]) for g in got) > TOLERANCE * max(predicted[planned], 1):
+                failures.append(f"{strategy} {precision} {key}: measured {got}, planner {predicted[planned]}")
+    print("\n" + "\n".join(lines))
+    assert not failures, "\n".join(failures)

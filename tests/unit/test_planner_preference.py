@@ -142,3 +142,17 @@ def test_cli_dpo_flags_that_cannot_apply_are_one_line(argv, message):
     from zerodp.planner.cli import run
     with pytest.raises(UserError, match=message.replace("(", r"\(")):
         run(parse("--model", "llama2-7b", *argv))
+
+
+def test_the_end_of_run_lines_hold_the_live_reference_against_its_prediction(folder):
+    import torch
+
+    from zerodp.telemetry.comm import PlanCheck
+    cfg = load_config(None, TINY + [f"data.source={folder}", "data.packing=false", "train.objective=dpo",
+                                    "strategy.name=single"])
+    check = PlanCheck(cfg, 1, 64 * 2**30, "cpu")
+    params = cfg_params(cfg)
+    assert check.estimate.reference_bytes == 4 * params  # single: the fp32 weights, no reducer
+    compared = check.compare(None, {}, torch.device("cpu"), reference={"params": 4 * params + 40, "grads": 0})
+    assert compared["reference"] == {"predicted": 4 * params, "measured": 4 * params + 40}
+    assert "  DPO reference per rank: predicted 0.132 MiB, measured 0.132 MiB (+0.0%)" in check.report(compared)

@@ -27,6 +27,7 @@ from zerodp.planner.preference import (
     reference_flops_per_token,
     reference_gather_sent,
     reference_offloaded,
+    unreached_bytes as reference_unreached,
 )
 from zerodp.planner.traffic import Collective, collective_seconds, collectives, inter_node_sent
 from zerodp.planner.types import (  # noqa: F401  (the types estimate takes and returns, imported from here too)
@@ -269,6 +270,6 @@ def estimate(model: ModelSpec, layout: Layout) -> MemoryEstimate:
         exposed_comm_s=exposed_s, offload_s=offload_s, step_s=step_s,
         scaling_efficiency=compute_s / step_s, tokens_per_s_per_gpu=tokens / step_s,
         reference_bytes=reference, reference_avoidable_bytes=reference_avoidable(model, layout, w.dpo_reference),
-        reference_s=reference_s,
+        reference_unreached_bytes=reference_unreached(model, layout, w.dpo_reference), reference_s=reference_s,
         expert_gather_bytes=int(experts.sent), expert_gather_s=experts.seconds, expert_gather_share=experts.share,
     )

@@ -81,6 +81,13 @@ def reference_bytes(model: ModelSpec, layout: Layout, reference: Optional[str]) 
     return sum(states.values()) - states["offloaded"]
 
 
+def unreached_bytes(model: ModelSpec, layout: Layout, reference: Optional[str]) -> int:
+    """Of `reference_bytes`, what no tensor a strategy's state_bytes() walks holds: ddp's reducer buckets (its
+    C++ reducer's own storage); what a run's end-of-run line leaves out of the predicted figure."""
+    s = layout.spec
+    return reference_states(model, layout, reference)["buckets"] if s.fp32_params else 0
+
+
 def reference_offloaded(model: ModelSpec, layout: Layout, reference: Optional[str]) -> int:
     """Bytes per rank of the reference in host memory under offload (`reference_states`' 'offloaded')."""
     return reference_states(model, layout, reference)["offloaded"]

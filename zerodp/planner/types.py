@@ -282,6 +282,8 @@ class MemoryEstimate:
     reference_avoidable_bytes: int = 0
     """Of reference_bytes, what the engine builds for any model it sets up and a frozen one never uses
     (DeepSpeed's fp32 master partition and gradient buffers, the reducers' buckets)."""
+    reference_unreached_bytes: int = 0
+    """Of reference_bytes, ddp's reducer buckets: held, but by no tensor strategy.state_bytes() reaches."""
     reference_s: float = 0.0
     """Of compute_s, the reference's forward (live, adapters-off)."""
     expert_gather_bytes: int = 0

@@ -233,12 +233,16 @@ class PlanCheck:
                 f"comm/step {_mib(e.comm_bytes)} sent per rank, model states {_mib(_planned_states(e))} and "
                 f"{_mib(e.total_bytes)} in all per rank, step {e.step_s:.3g}s")
 
-    def compare(self, comm: dict | None, held: dict[str, int], device: torch.device, peaks=None) -> dict:
+    def compare(self, comm: dict | None, held: dict[str, int], device: torch.device, peaks=None,
+                reference: dict[str, int] | None = None) -> dict:
         """Predicted beside measured, each {"predicted", "measured"}: "comm_bus_bytes" (the last step's,
         when measured), per-rank "params", "grads" and "optim" bytes (`held`: strategy.state_bytes()
         after the first step, when gradients may already be freed) and, on CUDA, the allocator's peaks
         (`peaks`, zerodp.telemetry.memory.Peaks): "startup_peak_allocated_bytes" and the training
-        steps' "peak_allocated_bytes" (without `peaks`: the peak since the process started)."""
+        steps' "peak_allocated_bytes" (without `peaks`: the peak since the process started); with a DPO
+        run's live reference (`reference`: its strategy's state_bytes()), "reference": what it holds
+        on the device (zerodp.planner.preference; ddp's reducer buckets, which no tensor there reaches, left
+        out of both)."""
         e = self.estimate
         out = {}
         if comm is not None:
@@ -253,6 +257,9 @@ class PlanCheck:
         out.update({k: {"predicted": v, "measured": held.get(k, 0)} for k, v in planned.items()})
         if e.offloaded_bytes or held.get("offloaded"):  # host memory beside host memory, device beside device
             out["offloaded"] = {"predicted": e.offloaded_bytes, "measured": held.get("offloaded", 0)}
+        if reference is not None or e.reference_bytes:
+            reached = sum(v for k, v in (reference or {}).items() if k not in ("offloaded", "unsharded_peak"))
+            out["reference"] = {"predicted": e.reference_bytes - e.reference_unreached_bytes, "measured": reached}
         if device.type == "cuda":  # what the allocator saw: everything the planner counts but the CUDA context
             if peaks is not None:
                 out["startup_peak_allocated_bytes"] = {"predicted": e.startup_bytes - e.overhead_bytes,
@@ -268,7 +275,8 @@ class PlanCheck:
         names = {"comm_bus_bytes": "comm/step sent per rank", "params": "parameters per rank",
                  "grads": "gradients per rank", "optim": "optimizer state per rank",
                  "startup_peak_allocated_bytes": "allocated at the start-up peak per rank",
-                 "peak_allocated_bytes": "peak allocated per rank"}  # the steps' (benchmarks read this line)
+                 "peak_allocated_bytes": "peak allocated per rank",  # the steps' (benchmarks read this line)
+                 "reference": "DPO reference per rank"}
         lines = ["predicted vs measured:"]
         offload = "offloaded" in compared
         if offload:  # the three states as the device holds them, the rest in their own line

@@ -141,7 +141,7 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False, from_c
                "exit_code": 130 if steps.ctrl_c else 0,  # 130 after Ctrl-C, as a shell expects
                "final_step": steps.done, "state_bytes": held, "straggler_wait_s": guards.stragglers.waited_s,
                "run": run, "comm": steps.meter.summary(), "memory": peaks.summary(),
-               "planned": plan_check.compare(steps.meter.summary(), held, env.device, peaks)}
+               "planned": plan_check.compare(steps.meter.summary(), held, env.device, peaks, _reference_held(steps))}
     log(env, peaks.line())
     log(env, plan_check.report(summary["planned"]))
     if return_weights:
@@ -217,6 +217,13 @@ def set_up(cfg: Config, env: DistEnv, grad_accum: int):
     c = cfg.checkpoint
     return strategy, Checkpointer(strategy, cfg.train.out_dir, meta, c.every, c.keep_last, cfg.train.max_steps,
                                   c.async_save, c.enabled)
+
+
+def _reference_held(steps) -> dict[str, int] | None:
+    """A DPO run's live reference's state_bytes() (zerodp.trainer.objective), for the end-of-run lines; None
+    without one."""
+    reference = getattr(steps.objective, "reference", None)
+    return None if reference is None else reference.state_bytes()
 
 
 def announce(cfg: Config, env: DistEnv, ready: Ready) -> PlanCheck:

@@ -359,3 +359,41 @@ def _reference(data: str, world: int, variant: str, split_world: int):
     """moe_reference of the equivalence run at `world`'s global batch, split into micro batches for
     `split_world` ranks."""
     return moe_reference(load_config(None, _equal(data, world, variant, "/unused")), split_world)
+
+
+def test_a_lora_run_exports_for_peft_over_transformers_qwen3_moe(tmp_path, capsys):
+    """LoRA on the attention projections of a qwen3_moe run (single, 3 steps; decoder_sparse_step 2: block 0
+    dense): `zerodp convert RUN --to peft` is a folder the real `peft` loads over transformers'
+    Qwen3MoeForCausalLM (the base exported with --to hf) and computes zerodp's logits with, as `--to hf
+    --merge` does without peft. Adapters on a dense block's MLP train, but peft (0.21) would load down_proj
+    onto the stacked experts (its transformers-5 remapping): --to peft refuses them in one line, exit 2,
+    nothing written."""
+    from tests.distributed.test_lora_export import base_export, logits_of, train
+
+    sparse = [*MOE, "model.moe.decoder_sparse_step=2", "model.lora.rank=4"]
+    train(tmp_path / "run", "configs/llama-tiny.yaml", *sparse, "model.lora.targets=[q_proj, k_proj, v_proj, o_proj]")
+    base = base_export(tmp_path / "run", tmp_path)
+    for to in (["--to", "peft"], ["--to", "hf", "--merge"]):
+        assert main(["convert", str(tmp_path / "run"), str(tmp_path / to[-1].strip("-")), *to, "--no-progress"]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    with safe_open(str(tmp_path / "peft" / "adapter_model.safetensors"), "pt") as f:
+        assert len(f.keys()) == 2 * 4 * 2
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    ours, peft, merged = logits_of(tmp_path, base, idx)
+    d_peft, d_merged = (peft - ours).abs().max().item(), (merged - ours).abs().max().item()
+    with capsys.disabled():
+        print(f"\nqwen3_moe LoRA: max |PEFT - zerodp| {d_peft:.1e}, max |merged - zerodp| {d_merged:.1e}")
+    assert d_peft <= TOL and d_merged <= TOL
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(idx).logits
+    assert (plain - ours).abs().max().item() > 1e-4  # the adapters moved the logits
+
+    train(tmp_path / "mlp", "configs/llama-tiny.yaml", *sparse, "model.lora.targets=[q_proj, down_proj]")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "mlp"), str(tmp_path / "mlp-peft"), "--to", "peft", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["zerodp: error: cannot export qwen3_moe adapters on down_proj for PEFT: peft reads those names on a "
+                   "qwen3_moe model as its stacked experts', so these adapters would not load; export with --to hf "
+                   "--merge, or adapt the attention only (model.lora.targets=[q_proj, k_proj, v_proj, o_proj])"], err
+    assert not (tmp_path / "mlp-peft").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

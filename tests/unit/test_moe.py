@@ -69,6 +69,20 @@ def test_zerodp_train_with_bad_moe_settings_exits_2_and_writes_nothing(tmp_path,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("target", ["gate_up_proj", "mlp.experts", "down_proj"])
+def test_adapters_on_the_router_or_experts_are_refused_in_one_line(tmp_path, capsys, target):
+    """The stacked experts and the router take no adapter (down_proj, every block sparse: the experts'): one line
+    that says which layers do, exit 2, nothing written."""
+    out = tmp_path / "run"
+    assert main(["train", "configs/tiny.yaml", *MOE, "model.lora.rank=4", f"model.lora.targets=[q_proj, {target}]",
+                 f"train.out_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"zerodp: error: model.lora.targets: '{target}' is the router or the stacked experts of qwen3_moe's "
+                   f"mixture of experts, which take no adapter; adapters go on k_proj, o_proj, q_proj, v_proj (or "
+                   f"all-linear), or train without model.lora"], err
+    assert not out.exists()
+
+
 @pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without grouped_mm")
 def test_the_grouped_matmul_computes_what_the_loop_over_experts_does(monkeypatch):
     """The CUDA path (tokens sorted by expert, one grouped matmul per projection, offsets from the counts) run

@@ -50,6 +50,9 @@ MOE = ["model.arch=qwen3_moe", "model.n_layer=2", "model.n_head=4", "model.n_kv_
        "model.moe.num_experts_per_tok=2", "model.moe.moe_intermediate_size=16"]
 
 
+RECIPE_ON_CPU = ["model.hf_config=", "model.init_from=", "model.arch=qwen3_moe", "data.source=builtin",
+                 "train.precision=fp32"]
+"""configs/sft-qwen3-moe-lora.yaml's overrides for a CPU without a Hugging Face folder (with MOE's shapes)."""
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 VARIANTS = {
     "sequence": ["model.moe.balance=sequence"],
@@ -362,16 +365,17 @@ def _reference(data: str, world: int, variant: str, split_world: int):
 
 
 def test_a_lora_run_exports_for_peft_over_transformers_qwen3_moe(tmp_path, capsys):
-    """LoRA on the attention projections of a qwen3_moe run (single, 3 steps; decoder_sparse_step 2: block 0
-    dense): `zerodp convert RUN --to peft` is a folder the real `peft` loads over transformers'
-    Qwen3MoeForCausalLM (the base exported with --to hf) and computes zerodp's logits with, as `--to hf
-    --merge` does without peft. Adapters on a dense block's MLP train, but peft (0.21) would load down_proj
-    onto the stacked experts (its transformers-5 remapping): --to peft refuses them in one line, exit 2,
-    nothing written."""
+    """LoRA on the attention projections of a qwen3_moe run (configs/sft-qwen3-moe-lora.yaml at the tiny
+    shapes, single, 3 steps; decoder_sparse_step 2: block 0 dense): `zerodp convert RUN --to peft` is a
+    folder the real `peft` loads over transformers' Qwen3MoeForCausalLM (the base exported with --to hf)
+    and computes zerodp's logits with, as `--to hf --merge` does without peft. Adapters on a dense block's
+    MLP train, but peft (0.21) would load down_proj onto the stacked experts (its transformers-5
+    remapping): --to peft refuses them in one line, exit 2, nothing written."""
     from tests.distributed.test_lora_export import base_export, logits_of, train
 
     sparse = [*MOE, "model.moe.decoder_sparse_step=2", "model.lora.rank=4"]
-    train(tmp_path / "run", "configs/llama-tiny.yaml", *sparse, "model.lora.targets=[q_proj, k_proj, v_proj, o_proj]")
+    # the shipped recipe at the tiny shapes (its adapters on the attention, their dropout keyed by row)
+    train(tmp_path / "run", "configs/sft-qwen3-moe-lora.yaml", *RECIPE_ON_CPU, *sparse)
     base = base_export(tmp_path / "run", tmp_path)
     for to in (["--to", "peft"], ["--to", "hf", "--merge"]):
         assert main(["convert", str(tmp_path / "run"), str(tmp_path / to[-1].strip("-")), *to, "--no-progress"]) == 0

@@ -122,9 +122,10 @@ def test_adapters_leave_the_router_and_the_experts_alone():
                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
     model = build_model(cfg.model, seed=1)  # the adapters built where the spec says (an assert otherwise)
     assert not any(p.requires_grad for n, p in model.named_parameters() if ".experts." in n or ".mlp.gate." in n)
-    with pytest.raises(ConfigError, match=r"^model.lora.targets: 'gate' names no linear layer of qwen3_moe's "
-                                          r"blocks; did you mean 'gate_proj'\? its linear layers are down_proj, "
-                                          r"gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj \(or all-linear\)$"):
+    with pytest.raises(ConfigError, match=r"^model.lora.targets: 'gate' is the router or the stacked experts of "
+                                          r"qwen3_moe's mixture of experts, which take no adapter; adapters go on "
+                                          r"down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj \(or "
+                                          r"all-linear\), or train without model.lora$"):
         load_config(None, MOE + ["model.moe.mlp_only_layers=[1]", "model.lora.rank=4", "model.lora.targets=[gate]"])
 
 

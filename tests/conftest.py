@@ -3,15 +3,27 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.harness import gpu_skip_reason, pin_cpu
 from tests.support.shards import SHARD_ENV, keep
+from zerodp.cli.allocator import default_allocator
 
 # Tokenized-data cache shared by the test processes (and their children) of one session.
 os.environ.setdefault("ZERODP_CACHE", str(Path(tempfile.gettempdir()) / "zerodp-test-cache"))
 # The tests run on the CPU on any machine (a GPU machine's included): CUDA is hidden from this process
 # before anything uses it, and from every process it starts. Only @pytest.mark.gpu tests see GPUs.
 pin_cpu(os.environ)
+# One intra-op thread for this process and every process it starts (OMP_NUM_THREADS, as base_env gives the
+# ranks): the suite runs several processes per core (two shares, their ranks), and torch's threads spin
+# waiting for each other on a busy core: a forward pass took 8x the CPU time on 2 threads as on 1 beside
+# the other share. The tests of thread sizing pass their own environment (size_threads(environ)).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# The allocator setting every zerodp command makes at its start (zerodp.cli.allocator), made once here: a
+# command run in this process (zerodp.cli.commands.main) would otherwise change the environment midway, and
+# every pooled World started before it (tests.support.harness) would be started again for the change.
+default_allocator(os.environ)
 
 
 def pytest_configure(config):

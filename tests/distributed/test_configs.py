@@ -13,7 +13,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.distributed.test_cli import zerodp
+from tests.support.cli_checks import zerodp_here
 from tests.support.harness import ROOT
 from zerodp.config import load_config
 
@@ -66,7 +66,7 @@ def test_config_dry_runs(path, tmp_path, request):
         tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, 200_000)
         tokens.astype(cfg.data.token_dtype).tofile(tmp_path / "train.bin")
         over.append(f"data.source={tmp_path / 'train.bin'}")
-    r = zerodp("train", path, *over, "--dry-run")
+    r = zerodp_here("train", path, *over, "--dry-run")
     assert r.returncode == 0, r.stderr
     assert f"arch: {cfg.model.arch}" in r.stdout and "# world_size 1, grad_accum_steps" in r.stdout
     if cfg.strategy.name != "auto":  # auto: the planner's choice on this machine

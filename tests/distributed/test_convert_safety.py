@@ -9,14 +9,14 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.support.harness import ROOT, run_distributed
+from tests.support.cli_checks import zerodp_here
+from tests.support.harness import run_distributed
 from zerodp.checkpoint import store as checkpoint
 from zerodp.cli.commands import main
 from zerodp.convert import open_checkpoint, write_safetensors, write_zerodp
@@ -56,9 +56,8 @@ def staging_left(folder: Path) -> list[str]:
 
 
 def cli(*args) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "zerodp", "convert", *map(str, args), "--no-progress"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    """`zerodp convert ARGS --no-progress`, run in this process (its exit code and lines, as a new python's)."""
+    return zerodp_here("convert", *args, "--no-progress")
 
 
 def assert_refused(args, match: str) -> None:

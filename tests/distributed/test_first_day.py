@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.test_cli import one_line_error, zerodp
+from tests.support.cli_checks import zerodp_here
 from tests.support.harness import ROOT, base_env
 
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -75,7 +76,7 @@ def test_init_from_another_model_is_refused(run, tmp_path):
     r = train(tmp_path / "new", "train.max_steps=1", "model.n_layer=1", f"model.init_from={ckpt}", check=False)
     one_line_error(r, r"model.init_from .*step_00000004 holds a different model .*model.n_layer=2 there, 1 here")
     export = tmp_path / "export"
-    assert zerodp("convert", ckpt, export, "--no-progress").returncode == 0
+    assert zerodp_here("convert", ckpt, export, "--no-progress").returncode == 0
     md = export / "model.safetensors"
     from safetensors.torch import load_file, save_file
 
@@ -221,7 +222,7 @@ def test_config_error_under_torchrun_is_one_line_every_time():
 ])
 def test_dry_run_fails_where_the_launch_would(tmp_path, extra, pattern):
     """Item 9: each of these returned 0 from --dry-run and failed at launch."""
-    r = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={tmp_path}/run", *extra, "--dry-run")
+    r = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={tmp_path}/run", *extra, "--dry-run")
     one_line_error(r, pattern)
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
@@ -246,7 +247,7 @@ def test_launch_and_dry_run_share_their_start_up_checks(run, tmp_path, bad, patt
     was (the launch creates a new train.out_dir before it checks the data; the dry run creates nothing)."""
     extra = [f"train.out_dir={tmp_path}/new", *bad(run, tmp_path)]
     before = snapshot(run)
-    dry = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, "train.max_steps=6", *extra, "--dry-run")
+    dry = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, "train.max_steps=6", *extra, "--dry-run")
     one_line_error(dry, pattern)
     assert not (tmp_path / "new").exists()  # a dry run writes nothing
     launch = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, "train.max_steps=6", *extra)
@@ -277,13 +278,15 @@ def test_out_dir_check_without_writing_says_what_writing_would(tmp_path):
 
 def test_dry_run_says_where_the_run_would_start(run):
     before = snapshot(run)
-    r = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=6", "--dry-run")
+    r = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=6",
+                    "--dry-run")
     assert r.returncode == 0, r.stderr
     assert f"# resuming from {run}/checkpoints/step_00000004 at step 4 (saved by single on 1 process(es))" in r.stdout
     assert "train.max_steps=6" in r.stdout.split("# set by you, unlike the defaults")[1]  # item 14
-    r = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "--dry-run", "--fresh")
+    r = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "--dry-run", "--fresh")
     assert "# --fresh: starting from step 0" in r.stdout
-    r = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "model.n_layer=3", "--dry-run")
+    r = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "model.n_layer=3",
+                    "--dry-run")
     one_line_error(r, r"holds a different model than this config \(model.n_layer=2 there, 3 here\)")
     assert snapshot(run) == before
 
@@ -292,7 +295,7 @@ def test_dry_run_lists_what_you_set_apart_from_what_was_resolved(tmp_path):
     """Item 12: "differs from the defaults" listed model.n_kv_head=4, model.bias=True and
     model.tie_embeddings=True, gpt2's defaults for keys the user never set, among the user's own."""
     small = [a for a in SMALL if a != "strategy.name=single"]  # configs/tiny.yaml's strategy: auto stays
-    r = zerodp("train", ROOT / "configs/tiny.yaml", *small, f"train.out_dir={tmp_path}/run", "--dry-run")
+    r = zerodp_here("train", ROOT / "configs/tiny.yaml", *small, f"train.out_dir={tmp_path}/run", "--dry-run")
     assert r.returncode == 0, r.stderr
     mine = next(line for line in r.stdout.splitlines() if line.startswith("# set by you, unlike the defaults"))
     resolved = next(line for line in r.stdout.splitlines() if line.startswith("# resolved, not set by you"))
@@ -311,7 +314,7 @@ def test_weights_only_and_damaged_only_resumes_are_said(run, tmp_path):
     because the only checkpoint is damaged."""
     imported = tmp_path / "imported"
     weights = run / "checkpoints" / "step_00000004" / "model.safetensors"
-    assert zerodp("convert", weights, imported / "checkpoints" / "step_00000004", "--to", "zerodp", "--step", "4",
+    assert zerodp_here("convert", weights, imported / "checkpoints" / "step_00000004", "--to", "zerodp", "--step", "4",
                   "--no-progress").returncode == 0  # a safetensors file records no step: --step names it
     r = train(imported, "train.max_steps=5")
     assert "holds weights only, no AdamW moments: AdamW starts fresh" in r.stderr, r.stderr
@@ -374,9 +377,9 @@ def test_stragglers_sustained_beyond_noise_only():
 def test_cli_details(run):
     """Item 13: overrides are optional in the usage error, --version, and checkpoint files follow the
     umask (safetensors creates its files 0600)."""
-    r = zerodp("train")
+    r = zerodp_here("train")
     one_line_error(r, r"the following arguments are required: config;")
-    r = zerodp("--version")
+    r = zerodp_here("--version")
     from zerodp import __version__
 
     assert r.returncode == 0 and r.stdout.strip() == f"zerodp {__version__}"
@@ -395,7 +398,7 @@ def _umask() -> int:
 def test_zerodp_config_lists_every_key_with_default_type_and_doc():
     from zerodp.config import Config, field_docs
 
-    r = zerodp("config")
+    r = zerodp_here("config")
     assert r.returncode == 0, r.stderr
     docs = field_docs()
     cfg = Config().to_dict()
@@ -405,7 +408,7 @@ def test_zerodp_config_lists_every_key_with_default_type_and_doc():
         assert f"  {f.key} ({f.type}, default " in r.stdout
         assert f.doc in r.stdout
     assert "  train.max_steps (int, default 100)\n      Optimizer steps to train for." in r.stdout
-    one_line_error(zerodp("config", "trian"), r"there is no config section 'trian'")
+    one_line_error(zerodp_here("config", "trian"), r"there is no config section 'trian'")
 
 
 # -- 15. packaging -----------------------------------------------------------------------------------------------------

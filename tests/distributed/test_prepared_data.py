@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import TINY
+from tests.support.cli_checks import zerodp_here
 from tests.support.harness import ROOT
 from tests.support.reference import LLAMA, reference_run
 from tests.support.text_fixtures import stdlib_texts, train_bpe, write_jsonl
@@ -27,6 +28,7 @@ STEPS = 3
 
 
 def cli(*args):
+    """A training run through the command line, in a new process (the other commands: zerodp_here)."""
     return subprocess.run([sys.executable, "-m", "zerodp", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
 
@@ -185,7 +187,8 @@ def test_vocab_too_small_is_one_line_exit_2(prepared, tmp_path):
 
 def test_dry_run_reads_both_splits(prepared, tmp_path):
     root, _, meta = prepared
-    r = cli("train", "--dry-run", "configs/tiny.yaml", *overrides(root / "data", tmp_path / "run", meta["vocab_size"]))
+    r = zerodp_here("train", "--dry-run", "configs/tiny.yaml",
+                    *overrides(root / "data", tmp_path / "run", meta["vocab_size"]))
     assert r.returncode == 0, r.stderr
     assert f"# data: {meta['tokens']:,} tokens from {root / 'data'}" in r.stdout
 
@@ -209,7 +212,7 @@ def exported(prepared, trained):
     root, _, _ = prepared
     out, _ = trained
     dst = root / "hf"
-    r = cli("convert", out, dst, "--to", "hf", "--no-progress")
+    r = zerodp_here("convert", out, dst, "--to", "hf", "--no-progress")
     assert r.returncode == 0, r.stderr
     return dst
 
@@ -221,12 +224,12 @@ def test_hf_export_holds_the_tokenizer(prepared, trained, exported):
     assert (dst / "tokenizer.json").read_bytes() == tok.read_bytes()
     assert (dst / "tokenizer_config.json").read_bytes() == (tok.parent / "tokenizer_config.json").read_bytes()
     assert json.loads((dst / "config.json").read_text())["eos_token_id"] == meta["eot_id"]
-    r = cli("convert", out, dst, "--to", "hf", "--no-progress", "--overwrite")  # still recognised as ours
+    r = zerodp_here("convert", out, dst, "--to", "hf", "--no-progress", "--overwrite")  # still recognised as ours
     assert r.returncode == 0, r.stderr
     # --to safetensors keeps the tokenizer record: a later --to hf of that file still carries the tokenizer
     st = root / "weights"  # a folder: convert refuses a DST named like a file
-    assert cli("convert", out, st, "--to", "safetensors", "--no-progress").returncode == 0
-    r = cli("convert", st, root / "hf2", "--to", "hf", "--no-progress")
+    assert zerodp_here("convert", out, st, "--to", "safetensors", "--no-progress").returncode == 0
+    r = zerodp_here("convert", st, root / "hf2", "--to", "hf", "--no-progress")
     assert r.returncode == 0, r.stderr
     assert (root / "hf2" / "tokenizer.json").read_bytes() == tok.read_bytes()
 
@@ -236,12 +239,12 @@ def test_generate_continues_as_the_run_sampled(prepared, trained):
     the end-of-run sample: the same weights loaded on one process give the same draws."""
     out, r = trained
     sample = r.stderr.split("sample:\n", 1)[1].rstrip("\n")
-    g = cli("generate", out, "--max-new-tokens", 12)
+    g = zerodp_here("generate", out, "--max-new-tokens", 12)
     assert g.returncode == 0, g.stderr
     assert sample == "<|endoftext|>" + g.stdout[:-1]
-    again = cli("generate", out, "--max-new-tokens", 12, "--prompt", "def ", "--seed", 5)
+    again = zerodp_here("generate", out, "--max-new-tokens", 12, "--prompt", "def ", "--seed", 5)
     assert again.returncode == 0 and again.stdout.startswith("def ")
-    assert cli("generate", out, "--max-new-tokens", 12, "--prompt", "def ", "--seed", 5).stdout == again.stdout
+    assert zerodp_here("generate", out, "--max-new-tokens", 12, "--prompt", "def ", "--seed", 5).stdout == again.stdout
 
 
 def test_eval_matches_transformers_on_the_export(prepared, trained, exported):
@@ -253,7 +256,7 @@ def test_eval_matches_transformers_on_the_export(prepared, trained, exported):
 
     root, _, meta = prepared
     out, _ = trained
-    r = cli("eval", out, "--json", "--batch-size", 3, "--all")
+    r = zerodp_here("eval", out, "--json", "--batch-size", 3, "--all")
     assert r.returncode == 0, r.stderr
     result = json.loads(r.stdout)
     val = np.fromfile(root / "data" / "val.bin", dtype=meta["dtype"]).astype(np.int64)
@@ -267,10 +270,10 @@ def test_eval_matches_transformers_on_the_export(prepared, trained, exported):
     expected = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), buf[:, 1:].reshape(-1)).item()
     assert abs(result["val_loss"] - expected) < 1e-4, (result, expected)
     assert abs(result["perplexity"] - np.exp(expected)) < 1e-3 * np.exp(expected)
-    hf = cli("eval", exported, f"data.source={root / 'data'}", "--json")
+    hf = zerodp_here("eval", exported, f"data.source={root / 'data'}", "--json")
     assert hf.returncode == 0, hf.stderr
     assert abs(json.loads(hf.stdout)["val_loss"] - result["val_loss"]) < 1e-5
-    bare = cli("eval", exported)  # an HF folder records no training data
+    bare = zerodp_here("eval", exported)  # an HF folder records no training data
     assert bare.returncode == 2 and bare.stderr.count("\n") == 1 and "data.source=DIR" in bare.stderr
 
 
@@ -282,7 +285,7 @@ def test_the_export_runs_in_the_text_generation_pipeline(prepared, exported):
     root, _, meta = prepared
     pipe = pipeline("text-generation", model=str(exported), device="cpu")
     out = pipe("def ", max_new_tokens=8, do_sample=False, return_full_text=False)
-    g = cli("generate", exported, "--prompt", "def ", "--max-new-tokens", 8, "--temperature", 0)
+    g = zerodp_here("generate", exported, "--prompt", "def ", "--max-new-tokens", 8, "--temperature", 0)
     assert g.returncode == 0, g.stderr
     assert g.stdout.startswith("def ")
     from tokenizers import Tokenizer
@@ -307,7 +310,7 @@ def test_generate_and_eval_refuse_bad_input(prepared, trained, tmp_path):
                        (("generate", out, "--tokenizer", tmp_path), "tokenizer.json"),
                        (("eval", out, "model.n_layer=3"), "data.*"),
                        (("eval", out, "--batch-size", 0), "--batch-size")]:
-        r = cli(*args)
+        r = zerodp_here(*args)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, (args, r.stderr)
 
 

@@ -19,26 +19,33 @@ STRATEGIES = {"ddp": ["strategy.name=ddp"], "zero2": ["strategy.name=zero2"],
 
 
 @pytest.fixture(scope="module")
-def flipped(tiny, tmp_path_factory):
+def launched(tiny, tmp_path_factory):
+    """Both flipped-bit launches below, one after the other on the same 3 fresh ranks (each puts the loop
+    back after its runs): (runs with a flip in the weights, runs with a flip in a gathered copy)."""
     tmp = tmp_path_factory.mktemp("replicas")
     runs = [{"overrides": tiny + strategy + ["train.max_steps=6", "train.log_every=1",
                                              "train.check_replicas_every=4", "checkpoint.every=2",
                                              "checkpoint.keep_last=5", f"train.out_dir={tmp / name}"]}
             for name, strategy in STRATEGIES.items()]
-    results = run_distributed("tests.support.replica_workers:flip_one_bit", 3,
-                              {"runs": runs, "rank": FLIPPED_RANK, "after_step": AFTER_STEP}, fresh=True)
-    return dict(zip(STRATEGIES, results[0]))
+    gathered = [{"overrides": tiny + [f"strategy.name={name}", "train.max_steps=6", "train.log_every=1",
+                                      "train.check_replicas_every=4", "checkpoint.every=2", "checkpoint.keep_last=5",
+                                      f"train.out_dir={tmp / 'gathered' / name}"], "gathered": True}
+                for name in ("zero3", "fsdp")]
+    calls = [{"target": "tests.support.replica_workers:flip_one_bit",
+              "kwargs": {"runs": runs, "rank": FLIPPED_RANK, "after_step": AFTER_STEP}},
+             {"target": "tests.support.replica_workers:flip_one_bit",
+              "kwargs": {"runs": gathered, "rank": FLIPPED_RANK, "after_step": 5}}]
+    return run_distributed("tests.support.workers:several", 3, {"calls": calls}, fresh=True)[0]
 
 
 @pytest.fixture(scope="module")
-def gathered(tiny, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gathered")
-    runs = [{"overrides": tiny + [f"strategy.name={name}", "train.max_steps=6", "train.log_every=1",
-                                  "train.check_replicas_every=4", "checkpoint.every=2", "checkpoint.keep_last=5",
-                                  f"train.out_dir={tmp / name}"], "gathered": True} for name in ("zero3", "fsdp")]
-    results = run_distributed("tests.support.replica_workers:flip_one_bit", 3,
-                              {"runs": runs, "rank": FLIPPED_RANK, "after_step": 5}, fresh=True)
-    return dict(zip(("zero3", "fsdp"), results[0]))
+def flipped(launched):
+    return dict(zip(STRATEGIES, launched[0]))
+
+
+@pytest.fixture(scope="module")
+def gathered(launched):
+    return dict(zip(("zero3", "fsdp"), launched[1]))
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.test_cli import one_line_error, zerodp
+from tests.support.cli_checks import zerodp_here
 from tests.support.harness import ROOT
 
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "data.max_bytes=200000",
@@ -35,7 +36,7 @@ def resumed_at(r) -> tuple[str, int] | None:
 
 
 def inspected_step(path: Path) -> int:
-    r = zerodp("inspect", path)
+    r = zerodp_here("inspect", path)
     assert r.returncode == 0, r.stderr
     return int(re.search(r"^step:\s+(\d+)", r.stdout, re.M).group(1))
 
@@ -58,11 +59,11 @@ def source(tmp_path_factory):
 
 def test_import_into_a_folder_named_for_another_step_is_refused(source, tmp_path):
     dst = tmp_path / "new" / "checkpoints" / "step_00001000"
-    r = zerodp("convert", source, dst, "--to", "zerodp", "--no-progress")
+    r = zerodp_here("convert", source, dst, "--to", "zerodp", "--no-progress")
     one_line_error(r, r"step_00001000 is named for step 1000 but the source records step 2: name it "
                       r"\S*/checkpoints/step_00000002, or pass --step 1000")
     assert not (tmp_path / "new").exists()  # nothing written
-    r = zerodp("convert", source, dst, "--to", "zerodp", "--step", "1000", "--no-progress")
+    r = zerodp_here("convert", source, dst, "--to", "zerodp", "--step", "1000", "--no-progress")
     assert r.returncode == 0, r.stderr
     assert json.loads((dst / "meta.json").read_text())["step"] == 1000
 
@@ -72,21 +73,21 @@ def test_resume_follows_latest_and_the_recorded_step_never_the_folder_name(sourc
     on the checkpoint `latest` names, and nothing newer is lost or deleted."""
     run = tmp_path / "new"
     imported = run / "checkpoints" / "step_00000002"
-    r = zerodp("convert", source, imported, "--to", "zerodp", "--no-progress")
+    r = zerodp_here("convert", source, imported, "--to", "zerodp", "--no-progress")
     assert r.returncode == 0, r.stderr
     assert resumed_at(train(run, "train.max_steps=4", "checkpoint.keep_last=3")) == ("step_00000002", 2)
     assert latest(run) == "step_00000004" and steps(run) == ["step_00000002", "step_00000003", "step_00000004"]
     # What earlier versions let an import make: a folder named for a later step than it holds.
     shutil.copytree(imported, run / "checkpoints" / "step_00001000")
     assert inspected_step(run) == 4
-    assert resumed_at(zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}",
+    assert resumed_at(zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}",
                              "train.max_steps=6", "--dry-run")) == ("step_00000004", 4)
     assert resumed_at(train(run, "train.max_steps=6", "checkpoint.keep_last=3")) == ("step_00000004", 4)
     # Retention counts by recorded step: the two step-2 folders are the oldest, whatever their names.
     assert latest(run) == "step_00000006" and steps(run) == ["step_00000004", "step_00000005", "step_00000006"]
     assert resumed_at(train(run, "train.max_steps=7")) == ("step_00000006", 6)
     # An import older than `latest` is said to be passed over, with the way to choose it.
-    r = zerodp("convert", source, run / "checkpoints" / "step_00000002", "--to", "zerodp", "--no-progress")
+    r = zerodp_here("convert", source, run / "checkpoints" / "step_00000002", "--to", "zerodp", "--no-progress")
     assert r.returncode == 0, r.stderr
     assert f"resumes from step_00000007 (step 7: `latest` names it), not from this import; to resume from it: " \
            f"echo step_00000002 > {run / 'checkpoints' / 'latest'}" in r.stdout
@@ -99,7 +100,7 @@ def test_a_checkpoint_chosen_with_latest_is_where_every_reader_starts(source, tm
     (run / "checkpoints" / "latest").write_text("step_00000002\n")  # what docs/checkpoints.md tells users
     assert inspected_step(run) == 2
     before = (run / "metrics.jsonl").read_text().splitlines()
-    dry = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=3",
+    dry = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=3",
                  "--dry-run")
     assert dry.returncode == 0, dry.stderr
     assert resumed_at(dry) == ("step_00000002", 2)
@@ -116,7 +117,7 @@ def test_a_checkpoint_chosen_with_latest_is_where_every_reader_starts(source, tm
     assert f"supersedes metrics.jsonl's records of steps 3-4: moved to {aside}/metrics.jsonl" in r.stderr
     # A `latest` that names no checkpoint: the newest intact one by step, with a warning.
     (run / "checkpoints" / "latest").write_text("step_00000099\n")
-    dry = zerodp("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=5",
+    dry = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=5",
                  "--dry-run")
     assert resumed_at(dry) == ("step_00000004", 4)
     assert "latest names 'step_00000099', which is not a checkpoint folder here" in dry.stderr
@@ -124,9 +125,9 @@ def test_a_checkpoint_chosen_with_latest_is_where_every_reader_starts(source, tm
 
 
 @pytest.mark.parametrize("how", ["--fresh", "checkpoint.resume=false"])
-def test_a_run_that_starts_over_moves_the_whole_earlier_run_aside(tmp_path, how):
+def test_a_run_that_starts_over_moves_the_whole_earlier_run_aside(source, tmp_path, how):
     run = tmp_path / "run"
-    train(run, "train.max_steps=2")
+    shutil.copytree(source, run)  # a finished 2-step run
     before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.yaml")}
     r = train(run, "train.max_steps=1", *([how] if how != "--fresh" else []), fresh=how == "--fresh")
     (aside,) = run.glob("earlier-*")

@@ -5,14 +5,12 @@ of their weights over every window, document ids from the index, and every bad i
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from tests.support.harness import ROOT
+from tests.support.cli_checks import zerodp_here
 from tests.support.sampler_workers import write_prepared
 from zerodp.config import load_config
 from zerodp.data.batches import TokenBatches, load_tokens
@@ -202,9 +200,7 @@ def test_the_cli_refuses_a_bad_mixture_in_one_line(tiny, tmp_path):
     a = write_prepared(tmp_path / "a", [50] * 40, [40] * 4)
     for sources, said in ((f"[{{path: {a}, weight: -1}}]", "must be a positive number"),
                           (f"[{{path: {tmp_path}, weight: 1}}]", "is not a zerodp prepare folder")):
-        r = subprocess.run([sys.executable, "-m", "zerodp", "data", "stats", "configs/tiny.yaml",
-                            "model.vocab_size=256", f"data.sources={sources}"], capture_output=True, text=True,
-                           cwd=ROOT, timeout=120)
+        r = zerodp_here("data", "stats", "configs/tiny.yaml", "model.vocab_size=256", f"data.sources={sources}")
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and said in r.stderr, r.stderr
 
 

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from zerodp.data.prepare import BATCH_BYTES, PrepareOptions, plural, size_text
+from zerodp.errors import UserError
 
 BATCH_SIZE = f"{BATCH_BYTES >> 10}KiB"  # --batch-size's default, as written on the command line
 
@@ -20,6 +21,7 @@ EXAMPLES = """examples:
   zerodp prepare shard-*.jsonl.gz --field content --tokenizer gpt2/tokenizer.json --out data/web
   zerodp prepare train-*.parquet --tokenizer path/to/hf_model --out data/pq --eot '</s>'
   zerodp prepare chats.jsonl --chat --tokenizer path/to/hf_model --out data/sft --max-len 2049
+  zerodp prepare pairs.jsonl --preference --tokenizer path/to/hf_model --out data/dpo --max-len 1025
 then train on the folder:  zerodp train configs/tiny.yaml data.source=data/mine (see docs/data.md)
 """
 
@@ -67,6 +69,11 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
                    help="a conversation longer than this many tokens is dropped or truncated (--too-long)")
     c.add_argument("--too-long", default="drop", choices=("drop", "truncate"),
                    help="what --max-len does to a longer conversation: drop it (default) or keep its first tokens")
+    d = p.add_argument_group("preference pairs (--preference)", "rows of TRL's preference forms (prompt, chosen, "
+                             "rejected: strings, or lists of messages rendered by the chat template) for "
+                             "train.objective=dpo: see docs/fine_tuning.md")
+    d.add_argument("--preference", action="store_true", help="the inputs are JSONL/Parquet rows of preference pairs "
+                   "(--chat-template and --max-len apply)")
     p.set_defaults(func=run_prepare)
     return p
 
@@ -82,8 +89,14 @@ def run_prepare(args) -> int:
                           batch_bytes=parse_bytes(args.batch_size, "--batch-size", example=BATCH_SIZE),
                           chat=args.chat, chat_template=args.chat_template, messages_field=args.messages_field,
                           prompt_field=args.prompt_field, response_field=args.response_field,
-                          train_on=args.train_on, max_len=args.max_len, too_long=args.too_long)
+                          train_on=args.train_on, max_len=args.max_len, too_long=args.too_long,
+                          preference=args.preference)
+    if opts.preference and opts.chat:
+        raise UserError("--preference and --chat are two kinds of rows; give one (--preference reads prompt, chosen "
+                        "and rejected)")
     meta = prepare(opts)
+    if opts.preference:
+        return _preference_summary(meta, args.out)
     if opts.chat:
         return _chat_summary(meta, args.out)
     tr, va = meta["splits"]["train"], meta["splits"]["val"]
@@ -102,6 +115,26 @@ def run_prepare(args) -> int:
     if va["documents"] == 0 and meta["val_fraction"] > 0:
         print(f"zerodp: note: no document fell in val.bin (--val-fraction {meta['val_fraction']}, "
               f"{plural(meta['documents'], 'document')}); raise it for a validation split", file=sys.stderr)
+    return 0
+
+
+def _preference_summary(meta: dict, out: str) -> int:
+    tr, va, pref = meta["splits"]["train"], meta["splits"]["val"], meta["preference"]
+    why = {"missing_field": "without prompt, chosen and rejected of one form", "empty_completion":
+           "with an empty completion", "prompt_too_long": f"whose prompt alone fills --max-len {pref['max_len']}",
+           "refused_by_template": "refused by the chat template"}
+    left = [f"{n:,} {why[k]}" for k, n in pref["skipped"].items() if n]
+    left += [f"{pref['truncated']:,} sequences truncated to --max-len {pref['max_len']}"] if pref["truncated"] else []
+    forms = ", ".join(f"{n:,} {k}" for k, n in pref["forms"].items() if n)
+    print(f"prepared {plural(tr['pairs'] + va['pairs'], 'preference pair')} ({forms}) of "
+          f"{plural(pref['rows'], 'row')} into {out}: train {plural(tr['pairs'], 'pair')} / "
+          f"{plural(tr['tokens'], 'token')} ({tr['targets']:,} completion tokens), val {plural(va['pairs'], 'pair')} "
+          f"/ {plural(va['tokens'], 'token')}; {'; '.join(left) if left else 'no row skipped'} "
+          f"({meta['seconds']:.1f} s)")
+    if va["pairs"] == 0 and meta["val_fraction"] > 0:
+        print(f"zerodp: note: no pair fell in val.bin (--val-fraction {meta['val_fraction']}, "
+              f"{plural(tr['pairs'], 'pair')}); raise it for validation pairs, or train with train.eval_every=0",
+              file=sys.stderr)
     return 0
 
 

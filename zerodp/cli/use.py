@@ -320,6 +320,10 @@ def run_eval(args) -> int:
     device = _device(args.device)
     with open_model(args.path) as source:
         cfg = eval_config(source, args.overrides, args.path)
+        if cfg.train.objective != "sft":
+            raise UserError(f"{args.path} trained with train.objective={cfg.train.objective}, whose val_loss and "
+                            f"val_rewards/* the run logged in metrics.jsonl; zerodp eval computes the cross-entropy of "
+                            f"targets only (add train.objective=sft and an SFT data.source for that)")
         recorded = (source.meta.get("tokenizer") or {}).get("sha256")
         prepared = prepared_meta(primary_source(cfg.data))
         used = ((prepared or {}).get("tokenizer") or {}).get("sha256")

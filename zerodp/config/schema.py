@@ -21,6 +21,12 @@ SCHEDULES = ("cosine", "linear", "wsd")
 """optim.schedule's names; zerodp.optim.schedules holds a function for each."""
 DECAY_SHAPES = ("linear", "1-sqrt")
 DOCUMENT_ATTENTION = ("auto", "flex", "sdpa")
+OBJECTIVES = ("sft", "dpo")
+"""train.objective: the loss a step minimises (zerodp.trainer.objective)."""
+DPO_LOSSES = ("sigmoid", "ipo", "simpo")
+"""dpo.loss's names (zerodp.models.preference.LOSSES)."""
+DPO_REFERENCES = ("live", "adapters-off", "precomputed")
+"""dpo.reference's names."""
 """model.document_attention's kernels (zerodp.models.docmask)."""
 
 
@@ -181,6 +187,10 @@ class TrainConfig:
     """Seeds initialisation and the data order; the batch of step k depends on (seed, k) only."""
     precision: str = "fp32"
     """fp32, bf16 or fp16 (mixed precision with fp32 master weights)."""
+    objective: str = "sft"
+    """sft: the mean cross-entropy of the targets (every token, or a loss mask's); dpo: a preference loss on
+    the pairs of a `zerodp prepare --preference` folder, set in the dpo section (docs/fine_tuning.md,
+    "Preference tuning")."""
     deterministic: bool = False
     """CUDA: deterministic kernels only (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG=:4096:8,
     cuDNN deterministic), so a repeated or resumed run reproduces the bits; costs speed (attention
@@ -308,6 +318,35 @@ class CheckpointConfig:
 
 
 @dataclass
+class DpoConfig:
+    """train.objective=dpo's settings (zerodp.models.preference holds the formulas)."""
+
+    beta: float = 0.1
+    """The strength of the pull toward the reference (sigmoid, ipo) or the reward scale (simpo); > 0. Smaller
+    lets the policy move further from the reference: 0.1 is DPO's usual, 0.01 to 0.5 its range; simpo takes
+    2 to 10."""
+    loss: str = "sigmoid"
+    """sigmoid (DPO, summed completion log-probs), ipo (per-token means, squared) or simpo (per-token means,
+    reference-free, with simpo_gamma)."""
+    label_smoothing: float = 0.0
+    """sigmoid and simpo: the share of pairs assumed mislabelled, in [0, 0.5) (conservative DPO):
+    -(1 - e) log sigmoid(beta d) - e log sigmoid(-beta d). ipo takes none."""
+    simpo_gamma: Optional[float] = None
+    """simpo: the target reward margin gamma (d = mean logp chosen - mean logp rejected - gamma / beta); null:
+    0.5, TRL's default. Set only with loss=simpo."""
+    rpo_alpha: float = 0.0
+    """The weight of an NLL term on the chosen completions (RPO): alpha times the mean negative log-prob of the
+    global batch's chosen completion tokens is added to the loss; 0: none."""
+    reference: Optional[str] = None
+    """The model the policy's log-ratios are taken against: live (a frozen copy of the starting weights, held
+    under the run's strategy, sharded as the policy under zero3/fsdp, never updated or saved; not with
+    strategy.name=auto); adapters-off (model.lora: the base with the adapters switched off, no copy);
+    precomputed (one pass at step 0 writes every pair's reference log-probs beside the data, keyed by the
+    reference's and the data's sha256; training then holds no reference). null: adapters-off with
+    model.lora, else live; none for simpo, which takes no reference."""
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -315,6 +354,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

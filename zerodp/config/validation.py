@@ -9,6 +9,9 @@ from zerodp.config.schema import (
     ARCHS,
     DECAY_SHAPES,
     DOCUMENT_ATTENTION,
+    DPO_LOSSES,
+    DPO_REFERENCES,
+    OBJECTIVES,
     PRECISIONS,
     SCHEDULES,
     STRATEGIES,
@@ -37,6 +40,7 @@ def validate(cfg: Config) -> None:
     check_strategy(cfg.strategy)
     check_checkpoint(cfg.checkpoint)
     check_no_checkpoint(cfg)
+    check_objective(cfg)
 
 
 def check_model(m: ModelConfig) -> None:
@@ -189,3 +193,83 @@ def check_no_checkpoint(cfg: Config) -> None:
 def check_checkpoint(c: CheckpointConfig) -> None:
     _non_negative("checkpoint.every", c.every)
     _positive("checkpoint.keep_last", c.keep_last)
+
+
+def check_objective(cfg: Config) -> None:
+    """train.objective and the dpo section; the data a DPO run (or an SFT run) reads."""
+    from zerodp.config.sources import prepared_meta, source_entries
+
+    t, d = cfg.train, cfg.dpo
+    _one_of("train.objective", t.objective, OBJECTIVES)
+    paths = [p for _, p, _ in source_entries(cfg.data)] or [cfg.data.source]
+    preference = [p for p in paths if "preference" in (prepared_meta(p) or {})]
+    if t.objective != "dpo":
+        if preference:
+            raise ConfigError(f"{preference[0]} holds preference pairs (zerodp prepare --preference): train them with "
+                              f"train.objective=dpo, or give an SFT folder (zerodp prepare --chat)")
+        return
+    if not d.beta > 0:
+        raise ConfigError(f"dpo.beta={d.beta} must be > 0 (0.1 is DPO's usual; smaller moves further from the "
+                          f"reference)")
+    _one_of("dpo.loss", d.loss, DPO_LOSSES)
+    if not 0.0 <= d.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={d.label_smoothing} must be in [0, 0.5): the share of pairs "
+                          f"assumed mislabelled")
+    if d.label_smoothing and d.loss == "ipo":
+        raise ConfigError("dpo.label_smoothing applies to dpo.loss=sigmoid or simpo; ipo takes none (set it to 0)")
+    if d.simpo_gamma is not None and d.loss != "simpo":
+        raise ConfigError(f"dpo.simpo_gamma={d.simpo_gamma} applies to dpo.loss=simpo; remove it, or set "
+                          f"dpo.loss=simpo")
+    if d.simpo_gamma is not None and d.simpo_gamma < 0:
+        raise ConfigError(f"dpo.simpo_gamma={d.simpo_gamma} must be >= 0 (the target reward margin)")
+    _non_negative("dpo.rpo_alpha", d.rpo_alpha)
+    check_reference(cfg)
+    if len(paths) > 1:
+        raise ConfigError("train.objective=dpo reads one preference folder; a mixture would part a pair's two "
+                          "sequences (give data.source one zerodp prepare --preference folder)")
+    if not preference:
+        raise ConfigError(f"train.objective=dpo trains on preference pairs, and {paths[0]} holds none; run zerodp "
+                          f"prepare PAIRS.jsonl --preference and point data.source at its folder")
+    if cfg.data.packing:
+        raise ConfigError("train.objective=dpo takes one sequence a row (a pair is two rows): set data.packing=false")
+    for key, n in (("train.global_batch_size", t.global_batch_size), ("train.micro_batch_size", t.micro_batch_size)):
+        if n == "auto":
+            raise ConfigError(f"{key}=auto is not planned for train.objective=dpo yet; give an even number")
+        if n % 2:
+            raise ConfigError(f"{key}={n} would split a preference pair (its chosen and rejected sequences are two "
+                              f"adjacent rows); give an even number")
+
+
+def dpo_reference(cfg: Config) -> str | None:
+    """The reference dpo.reference resolves to: None for simpo, else the value given, else adapters-off with
+    model.lora and live without."""
+    d = cfg.dpo
+    if d.loss == "simpo":
+        return None
+    return d.reference or ("adapters-off" if cfg.model.lora else "live")
+
+
+def check_reference(cfg: Config) -> None:
+    """dpo.reference: what exists, under the strategies it exists for."""
+    from zerodp.strategies.catalog import CATALOG
+
+    d, given = cfg.dpo, cfg.dpo.reference
+    if given is not None:
+        _one_of("dpo.reference", given, DPO_REFERENCES)
+        if d.loss == "simpo":
+            raise ConfigError(f"dpo.reference={given} is for sigmoid and ipo; simpo takes no reference (remove "
+                              f"dpo.reference)")
+    d = type(d)(**{**vars(d), "reference": dpo_reference(cfg)})  # the checks below apply to the one resolved
+    if d.reference is None:
+        return
+    if d.reference == "adapters-off" and not cfg.model.lora:
+        raise ConfigError("dpo.reference=adapters-off switches model.lora's adapters off; without model.lora use "
+                          "dpo.reference=live")
+    if d.reference == "live" and cfg.model.lora:
+        raise ConfigError("dpo.reference=live holds a second copy of the model; with model.lora the base with the "
+                          "adapters off is the reference at no cost: use dpo.reference=adapters-off (or leave it "
+                          "unset)")
+    if d.reference == "live" and cfg.strategy.name == "auto":
+        raise ConfigError(f"dpo.reference=live holds a frozen copy of the model the planner does not price yet, so "
+                          f"strategy.name=auto cannot choose for it; name the strategy (one of "
+                          f"{', '.join(CATALOG)})")

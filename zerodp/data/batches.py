@@ -114,13 +114,16 @@ class TokenBatches:
         self.streams = _streams(tokens, cfg, split)
         split_id = 0 if split == "train" else 1
         self.packing = cfg.data.packing
+        self.pairs = cfg.train.objective == "dpo"
+        """Rows are preference pairs (chosen, rejected adjacent): config validation made sure of the data."""
         if not self.packing:
             lacking = next((s for s in self.streams if s.index is None or not len(s.index)), None)
             if lacking is not None:
                 raise UserError(f"data.packing=false takes one document a sample from the document index, and "
                                 f"{lacking.where} has none; prepare it again with zerodp prepare, or set "
                                 f"data.packing=true")
-            self.index = [SampleIndex.of_documents(len(s.index), self.block, [cfg.train.seed, split_id, d])
+            documents = SampleIndex.of_pairs if self.pairs else SampleIndex.of_documents
+            self.index = [documents(len(s.index), self.block, [cfg.train.seed, split_id, d])
                           for d, s in enumerate(self.streams)]
         else:
             self.index = [SampleIndex(len(s.tokens), self.block, [cfg.train.seed, split_id, d])
@@ -272,7 +275,14 @@ class TokenBatches:
             keys = [self.dropout_keys(step, range(first + i, first + min(i + micro, per_rank)))
                     for i in range(0, per_rank, micro)]
             out.dropout_keys = [k.pin_memory() for k in keys] if pin else keys
-        if not self.packing or any(s.mask is not None for s in self.streams):
+        out.step = step
+        if self.pairs:  # the objective divides by the global counts itself (zerodp.trainer.objective)
+            counts = self.target_counts(offsets)
+            out.targets, out.pairs, out.chosen_tokens = int(counts.sum()), global_batch // 2, int(counts[0::2].sum())
+            out.parts = global_batch // micro
+            mine_docs = self.locate(step, global_batch).sample[rank * per_rank : (rank + 1) * per_rank]
+            out.documents = [mine_docs[i : i + micro] for i in range(0, per_rank, micro)]
+        elif not self.packing or any(s.mask is not None for s in self.streams):
             counts = self.target_counts(offsets)  # every row of the global batch: no collective needed
             total, parts = int(counts.sum()), global_batch // micro  # parts: world x accumulation
             # every micro batch's weight, rank by rank (n_i * parts / N; 0 without targets)
@@ -349,6 +359,18 @@ class MicroBatches(list):
     dropout_keys: list[torch.Tensor] | None = None
     """Per micro batch its rows' dropout keys (micro,) (zerodp.models.dropout.row_keys of (train.seed,
     step, the row's index in the global batch)); None when the model trains without dropout."""
+    step: int = 0
+    """The step (0-based) whose global batch these are part of."""
+    pairs: int | None = None
+    """train.objective=dpo: the global batch's preference pairs (rows / 2)..."""
+    chosen_tokens: int = 0
+    """...its chosen completions' tokens (the RPO term's count)..."""
+    documents: list[np.ndarray] | None = None
+    """train.objective=dpo: per micro batch its rows' document numbers in the split (the precomputed
+    reference log-probs are looked up by them)."""
+    parts: int = 1
+    """...and its micro batches, world x accumulation: each micro batch's loss is its pairs' share of the
+    global pair mean, times parts, which the strategies' mean over the parts undoes."""
     spread: float = 1.0
     """The mean of the squared weights of the step's P micro batches, every rank's (0 without targets): the
     gradient noise scale's correction for uneven micro batches (zerodp.telemetry.grad_noise)."""

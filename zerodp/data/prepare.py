@@ -96,6 +96,8 @@ class PrepareOptions:
     max_len: int | None = None
     """A conversation of more tokens is dropped or truncated (too_long); None: no limit."""
     too_long: str = "drop"
+    preference: bool = False
+    """Rows are preference pairs (prompt, chosen, rejected) for DPO (zerodp.data.prepare_preference)."""
 
 
 @dataclass
@@ -227,6 +229,10 @@ def command_line(opts: PrepareOptions) -> str:
 def prepare(opts: PrepareOptions) -> dict:
     """Tokenize `opts.inputs` into `opts.out` (see the module docstring); return the meta.json written.
     Every check that needs no encoding (tokenizer, inputs, Parquet columns, output folder) comes first."""
+    if opts.preference:
+        from zerodp.data.prepare_preference import prepare_preference
+
+        return prepare_preference(opts, _not_replaceable)
     if opts.chat:
         from zerodp.data.prepare_chat import prepare_chat
 

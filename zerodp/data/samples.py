@@ -57,6 +57,13 @@ class SampleIndex:
         index.n = documents
         return index
 
+    @classmethod
+    def of_pairs(cls, documents: int, block: int, key: list[int]) -> SampleIndex:
+        """One sample per document, documents (2i, 2i+1) a preference pair (zerodp prepare --preference) that
+        stays whole and in order: the epoch visits the pairs in a seeded order, position p being document
+        2 pair + p % 2 of pair p // 2 of that order (PairIndex)."""
+        return PairIndex(documents, block, key)
+
     def permutation(self, epoch: int) -> np.ndarray:
         """Epoch `epoch`'s order: a permutation of range(n) (int32 below 2^31 samples), built on first
         use and kept until another epoch is asked for."""
@@ -144,3 +151,17 @@ def documents_of(index: np.ndarray, start: int, length: int) -> tuple[int, int]:
     first = int(np.searchsorted(index, start, side="right")) - 1
     last = int(np.searchsorted(index, start + length - 1, side="right")) - 1
     return max(first, 0), max(last, 0)
+
+
+class PairIndex(SampleIndex):
+    """SampleIndex.of_pairs: n documents, pairs (2i, 2i+1) adjacent at every even position, whatever the
+    global batch (an even number of rows: train.objective=dpo's validation) or the epoch boundary."""
+
+    def __init__(self, documents: int, block: int, key: list[int]):
+        super().__init__(0, block, key)
+        self.n = documents - documents % 2
+        self._pairs = SampleIndex.of_documents(documents // 2, block, key)
+
+    def samples(self, positions: np.ndarray) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        return 2 * self._pairs.samples(positions // 2) + positions % 2

@@ -82,9 +82,19 @@ def _source(f: Path, given: bool) -> Source | None:
 CHAT_HINT = "these rows are conversations: prepare them with --chat (and --tokenizer a model with a chat template)"
 
 
+PREFERENCE_HINT = "these rows are preference pairs: prepare them with --preference (for train.objective=dpo)"
+
+
 def _chat_shaped(fields) -> bool:
     """Whether a row's fields (or a table's columns) are those of a conversation `prepare --chat` reads."""
     return "messages" in fields or {"prompt", "response"} <= set(fields)
+
+
+def _row_hint(fields, otherwise: str) -> str:
+    """What to do with rows of these fields that are not text: --preference, --chat, or `otherwise`."""
+    if {"chosen", "rejected"} <= set(fields):
+        return PREFERENCE_HINT
+    return CHAT_HINT if _chat_shaped(fields) else otherwise
 
 
 def _check_parquet(path: Path, column: str) -> None:
@@ -96,7 +106,7 @@ def _check_parquet(path: Path, column: str) -> None:
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"{path} is not a Parquet file pyarrow can read ({str(e).splitlines()[0]})") from None
     if column not in schema.names:
-        fix = CHAT_HINT if _chat_shaped(schema.names) else "name the text column with --field"
+        fix = _row_hint(schema.names, "name the text column with --field")
         raise UserError(f"{path} has no column {column!r} (its columns: {', '.join(schema.names)}); {fix}")
     t = schema.field(column).type
     if not (pa.types.is_string(t) or pa.types.is_large_string(t)
@@ -162,7 +172,7 @@ def _jsonl_documents(src: Source, column: str, stream, raw) -> Iterator[tuple[st
         if not isinstance(obj, dict) or column not in obj:
             has = f"its fields: {', '.join(obj)}" if isinstance(obj, dict) else f"it is a {type(obj).__name__}"
             raise UserError(f"{src.path}, line {n}: no field {column!r} ({has}); "
-                            + (CHAT_HINT if isinstance(obj, dict) and _chat_shaped(obj) else
+                            + (_row_hint(obj, "name the text field with --field") if isinstance(obj, dict) else
                                "name the text field with --field"))
         text = obj[column]
         if not isinstance(text, str):

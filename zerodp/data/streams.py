@@ -272,6 +272,14 @@ def _describe(cfg: Config, data: PreparedTokens, where: str) -> str:
     between = f" ({cut:,} split by tokens between train and val)" if cut else ""
     train, val = (documents((splits.get(s) or {}).get("documents")) for s in ("train", "val"))
     tokenizer = (meta.get("tokenizer") or {}).get("path")
+    pref = meta.get("preference")
+    if pref:  # a pair is two documents; what prepare left out is said again here
+        pairs = [int((splits.get(s) or {}).get("pairs") or 0) for s in ("train", "val")]
+        left = sum((pref.get("skipped") or {}).values())
+        between += (f" ({pairs[0]:,} preference pairs in train, {pairs[1]:,} in val; {plural(left, 'row')} of "
+                    f"{pref.get('rows', 0):,} skipped at prepare: "
+                    + (", ".join(f"{n:,} {k.replace('_', ' ')}" for k, n in pref["skipped"].items() if n) or "none")
+                    + ")")
     return (f"a zerodp prepare folder, {documents(meta.get('documents'))}{between}, "
             f"{len(data):,} tokens: train {len(data.train):,} ({train}), val {len(data.val):,} ({val}); tokenizer "
             f"{tokenizer} (vocabulary {meta.get('vocab_size')}, model.vocab_size={cfg.model.vocab_size}, "

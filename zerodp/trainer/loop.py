@@ -36,6 +36,7 @@ from zerodp.telemetry.comm import CommMeter, PlanCheck
 from zerodp.telemetry.memory import Peaks
 from zerodp.telemetry.step_metrics import Pending, fetch_interval
 from zerodp.trainer.guards import Guards
+from zerodp.trainer.objective import make_objective
 from zerodp.trainer.preflight import (
     Ready,
     Together,
@@ -122,6 +123,8 @@ def train(cfg: Config, fresh: bool = False, return_weights: bool = False, from_c
     guards = Guards(cfg, env, strategy.gathers_in_forward, start)
     steps = Steps(cfg, env, strategy, checkpointer, records, guards)
     steps.config_from = ready.start.carried.config_from
+    # None: SFT, the model's own loss
+    steps.objective = make_objective(cfg, env, ready.grad_accum, strategy, (ready.train_data, ready.val_data), start)
     try:
         with guards.watching(start, checkpointer, records.say):
             steps.run(ready.train_data, ready.val_data, start)
@@ -247,6 +250,8 @@ class Steps:
         self.replicas = ReplicaCheck(cfg, env, strategy)  # train.check_replicas_every
         self.config_from = 0
         """The step the run's config took effect at (zerodp.trainer.resume), for its checkpoints."""
+        self.objective = None
+        """train.objective=dpo's loss and metrics (zerodp.trainer.objective); None: the model's loss."""
         self.held: dict[int, int] = {}
         """What rank 0 holds after the first step (strategy.state_bytes)."""
         self.done = 0
@@ -273,7 +278,7 @@ class Steps:
             with self.meter.step(), timer:
                 figures: dict = {}
                 local_loss, grad_norm, forward, local_sq = train_step(self.strategy, micro_batches, lr, env.device,
-                                                                      figures)
+                                                                      figures, self.objective)
             done = self.done = step + 1
             # Nothing below waits for the device until the sync point: the figures stay where they are.
             pending.append(Pending(done, lr, local_loss, grad_norm, timer, forward, t0 - t_end,
@@ -333,9 +338,13 @@ class Steps:
             new.append(record)
         if load is not None:  # a mixture of experts: its routers over the interval
             new[-1].update(self.records.router_load(load, pending[0].step, pending[-1].step))
+        if self.objective is not None:  # one all-reduce of the interval's preference metrics
+            for record, found in zip(new, self.objective.metrics([p.step for p in pending], self.env.device)):
+                record.update(found)
         if evaluate_now:
             t_eval = time.perf_counter()
-            new[-1].update(evaluate(self.strategy, val_data, self.cfg, self.env))
+            measure = evaluate if self.objective is None else self.objective.evaluate
+            new[-1].update(measure(self.strategy, val_data, self.cfg, self.env))
             self.interval_start += time.perf_counter() - t_eval
         step = pending[-1].step  # checked before a save, the finding in the step's record, then the stop
         found = self.replicas.check(step, bool(stop) or self.checkpointer.due(step))
@@ -385,7 +394,8 @@ class Steps:
             f"{k} {v / 2**20:.1f} MiB" if v or k != "grads" else "grads freed between steps"
             for k, v in self.held.items()))
 
-def train_step(strategy, micro_batches: list, lr: float, device: torch.device, figures: dict | None = None):
+def train_step(strategy, micro_batches: list, lr: float, device: torch.device, figures: dict | None = None,
+               objective=None):
     """One optimizer step over this rank's micro batches, without waiting for the device.
 
     A model that leaves an `aux_loss` after its forward (a mixture of experts: router_aux_loss_coef x its
@@ -399,7 +409,8 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device, f
     gradient norm squared before the reduction, a 0-d tensor, or None where the strategy does not
     measure it: the small batch of the gradient noise scale). Forward time is the straggler
     signal: under ddp/zero1/zero2 it holds no communication, so a slow rank shows there, while the fast
-    ranks' waiting hides inside the backward's gradient reduction."""
+    ranks' waiting hides inside the backward's gradient reduction. `objective` (zerodp.trainer.objective)
+    takes the model's place where train.objective is not sft."""
     loss_sum = torch.zeros((), device=device)
     forward = Stopwatch(device)
     weights = getattr(micro_batches, "weights", None)  # loss masks: the global batch's target mean
@@ -410,7 +421,8 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device, f
         keyed = {"dropout_keys": keys[i].to(device, non_blocking=True)} if keys is not None else {}
         with strategy.micro_step(is_last=i == len(micro_batches) - 1):
             with strategy.autocast(), forward:
-                loss = strategy.model(*batch, **keyed)
+                loss = (strategy.model(*batch, **keyed) if objective is None
+                        else objective(strategy.model, batch, micro_batches, **keyed))
                 if weights is not None:
                     loss = loss * weights[i]  # a Python float: no host sync
                 aux = getattr(core, "aux_loss", None)

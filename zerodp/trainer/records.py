@@ -140,6 +140,8 @@ class Records:
             balance = f", balance_loss {record['balance_loss']:.4f}" if "balance_loss" in record else ""
             if "moe/max_load" in record:
                 balance += router.summary(record)
+            balance += "".join(f", {k} {record[k]:.4f}" for k in ("rewards/margins", "rewards/accuracies")
+                               if k in record)  # train.objective=dpo
             log(env, f"step {step}/{cfg.train.max_steps}: loss {record['loss']:.4f}{balance}, lr {record['lr']:.2e}, "
                      f"grad_norm {record['grad_norm']:.3f}{epoch}, {rate:,.0f} tokens/s{mfu} (median of {what})")
         if "val_loss" in record:

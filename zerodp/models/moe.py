@@ -125,12 +125,14 @@ class Experts(nn.Module):
             gate, up = F.grouped_mm(rows, w1.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # (N k, I) each
             out = F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)           # (N k, C)
         else:  # one matmul per expert on its rows: the counts on the host (free on the CPU)
-            pieces, start = [], 0
-            for e, n in enumerate(counts.tolist()):
+            # split/unbind, not slices: a slice's backward is a gradient the size of the whole tensor it
+            # was cut from, summed over the E experts (2/3 of the pass on the CPU); split's and unbind's
+            # assemble one gradient for all their pieces
+            sizes, pieces = counts.tolist(), []
+            for part, g_u, down, n in zip(rows.split(sizes), w1.unbind(0), w2.unbind(0), sizes):
                 if n:
-                    gate, up = F.linear(rows[start:start + n], w1[e]).chunk(2, dim=-1)     # (n, I) each
-                    pieces.append(F.linear(F.silu(gate) * up, w2[e]))                       # (n, C)
-                start += n
+                    gate, up = F.linear(part, g_u).chunk(2, dim=-1)                        # (n, I) each
+                    pieces.append(F.linear(F.silu(gate) * up, down))                        # (n, C)
             out = torch.cat(pieces)                                                        # (N k, C)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         return torch.zeros(N, out.shape[-1], device=x.device, dtype=out.dtype).index_add_(0, token, out)  # (N, C)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -244,3 +246,39 @@ def test_a_lora_dpo_run_evaluates_as_logged_and_exports_as_any_run(folder, tmp_p
         assert torch.allclose(load_model(tmp_path / "merged")(x), trained, atol=1e-5)
         assert torch.allclose(load_model(tmp_path / "peft")(x), trained, atol=1e-5)
         assert (trained - load_model(tmp_path / "peft" / "base")(x)).abs().max() > 1e-4  # the adapters trained
+
+
+def snapshot(*folders) -> dict:
+    """Every file under `folders`: its size and modification time."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for f in folders for p in sorted(f.rglob("*"))}
+
+
+def test_a_refused_precomputed_reference_writes_nothing(tmp_path, capsys):
+    """A resume that finds no reference log-probs, and a file of other data, are refused at start-up, before
+    the run folder is opened: the run and data folders are as they were, a new run folder never made."""
+    data = preference_folder(tmp_path / "pairs")
+
+    def train(out, steps):  # its own process: a launch's error under a process group ends the process
+        r = subprocess.run([sys.executable, "-m", "zerodp", "train", "configs/tiny.yaml",
+                            *dpo(data, f"train.max_steps={steps}", f"train.out_dir={out}",
+                                 "dpo.reference=precomputed")], capture_output=True, text=True, timeout=300)
+        sys.stderr.write(r.stderr)  # for one_line_error
+        return r.returncode
+
+    assert train(tmp_path / "run", 2) == 0
+    for name in ("reference_logps.npz", "reference_logps.json"):
+        (data / name).rename(tmp_path / name)
+    before = snapshot(tmp_path / "run", data)
+    capsys.readouterr()
+    one_line_error(capsys, train(tmp_path / "run", 3), r"reference_logps.npz is not there, and this run resumes at "
+                                                       r"step 2")
+    assert snapshot(tmp_path / "run", data) == before
+    for name in ("reference_logps.npz", "reference_logps.json"):
+        (tmp_path / name).rename(data / name)
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "seed": 5}))  # the data prepared again, differently
+    before = snapshot(tmp_path / "run", data)
+    for out, steps in ((tmp_path / "run", 3), (tmp_path / "new", 2)):
+        one_line_error(capsys, train(out, steps), r"holds reference log-probs of other weights or data \(the data "
+                                                  r"changed since\)")
+    assert snapshot(tmp_path / "run", data) == before and not (tmp_path / "new").exists()

@@ -379,9 +379,22 @@ def _eval_preference(model, data, cfg, args, device) -> int:
     val_logps/... its validation logged, by the same code (zerodp.trainer.objective.evaluate_checkpoint)."""
     import functools
 
+    from zerodp.config.validation import dpo_reference
     from zerodp.trainer.objective import evaluate_checkpoint
 
-    result = evaluate_checkpoint(cfg, model, data, device, functools.partial(_autocast, device, args.precision))
+    reference = None
+    if dpo_reference(cfg) == "live":  # the starting weights: model.init_from's, or the seed's
+        from zerodp.api import model_from_source
+        from zerodp.convert import open_checkpoint
+        from zerodp.models import build_model
+
+        if cfg.model.init_from:
+            with open_checkpoint(cfg.model.init_from) as source:
+                reference = model_from_source(source, device, config=cfg.model)
+        else:
+            reference = build_model(cfg.model, seed=cfg.train.seed, device=device)
+    result = evaluate_checkpoint(cfg, model, data, device, functools.partial(_autocast, device, args.precision),
+                                 reference)
     if args.json:
         print(json.dumps(result))
         return 0

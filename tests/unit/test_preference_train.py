@@ -282,3 +282,19 @@ def test_a_refused_precomputed_reference_writes_nothing(tmp_path, capsys):
         one_line_error(capsys, train(out, steps), r"holds reference log-probs of other weights or data \(the data "
                                                   r"changed since\)")
     assert snapshot(tmp_path / "run", data) == before and not (tmp_path / "new").exists()
+
+
+def test_the_dpo_lora_recipe_runs_on_cpu_by_overrides(folder, tmp_path, group):
+    """configs/dpo-llama-lora.yaml at the suite's tiny shapes on a small preference set, as its header says:
+    the reference is the base with the adapters off, so the first step's loss is ln 2 and no copy is held."""
+    from zerodp.trainer.loop import train
+
+    cfg = load_config("configs/dpo-llama-lora.yaml", [
+        "model.hf_config=", "model.init_from=", "model.arch=llama", "model.n_layer=2", "model.n_head=2",
+        "model.n_embd=32", "model.block_size=32", "train.precision=fp32", "strategy.name=single",
+        f"data.source={folder}", "train.global_batch_size=12", "train.max_steps=2", f"train.out_dir={tmp_path}",
+        "train.progress=false", "optim.warmup_steps=1"])
+    assert (cfg.train.objective, cfg.dpo.reference, cfg.model.lora["rank"]) == ("dpo", "adapters-off", 16)
+    assert cfg.train.global_batch_size == 12 and not cfg.data.packing
+    summary = train(cfg, fresh=True)
+    assert summary["losses"][1] == pytest.approx(math.log(2), abs=1e-6)

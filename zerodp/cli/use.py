@@ -36,6 +36,7 @@ EVAL_EXAMPLES = """examples:
   zerodp eval runs/llama-mine --all                 # every sample of the validation split once
   zerodp eval exports/llama-hf data.source=data/mine --max-tokens 1000000
   zerodp eval exports/sft-hf data.source=data/sft data.document_masking=true   # as the run saw its data
+  zerodp eval runs/dpo-llama-lora                   # a DPO run: val_loss, val_rewards/*, val_logps/* as logged
 """
 
 
@@ -72,7 +73,9 @@ def add_parsers(subparsers) -> None:
                     "the run's config (a Hugging Face folder), every sample of the validation split once (a "
                     "`zerodp prepare` folder's val.bin, or the last data.val_fraction of another source). Either "
                     "takes the data settings: the loss mask (zerodp prepare --chat), data.packing and "
-                    "data.document_masking, the run's unless an override names others.",
+                    "data.document_masking, the run's unless an override names others. A train.objective=dpo run "
+                    "prints its validation pairs' loss, rewards and log-probs, against the run's reference, as it "
+                    "logged them.",
         epilog=EVAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("path", metavar="PATH",
                    help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")

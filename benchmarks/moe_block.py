@@ -13,12 +13,11 @@ and the weighted scatter back. Issue 46's goal: at most 1.5x.
 The step is timed as the median of --repeats forward+backward passes after two warm-up passes (on CUDA
 synchronised before each clock read).
 
-Measured (2 shared CPU cores, the defaults, --repeats 3): dense 306 ms CPU, MoE 4,720 ms CPU, 15.4x. A profile
-puts two thirds of the MoE pass in fill_/add_/copy_, not in the matmuls: the loop's per-expert slices
-`rows[start:start + n]` and `w1[e]` each get, in backward, a gradient the size of the whole tensor they
-were cut from, summed over the E experts. Cutting with `rows.split(counts)` and `w1.unbind(0)` (one
-gradient assembled for all pieces) gives the same outputs and gradients at 2.6x (same run, 2,048 tokens,
-h 512).
+Measured on this project's 2-core CPU machine (`OMP_NUM_THREADS=1 python benchmarks/moe_block.py --repeats 5`,
+the defaults): dense 128.3 ms, MoE 182.2 ms, 1.42x. With both cores under other load the ratio moves with the
+load (2.7x wall, 5.7x CPU seconds once): pin one thread to compare. The loop over experts cuts its pieces with
+`rows.split(counts)` and `unbind(0)`: slicing (`rows[a:b]`, `w1[e]`) had each piece's backward make a
+gradient the size of the whole tensor, summed over the E experts (15.4x before).
 """
 
 from __future__ import annotations

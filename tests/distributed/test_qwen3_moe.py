@@ -10,8 +10,11 @@ for the module; the models are built from a Qwen3MoeConfig in code (nothing down
 
 from __future__ import annotations
 
+import functools
 import json
+import shutil
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3
 from tests.conftest import TINY
 from tests.distributed.test_hf import hf_logits, zerodp_logits
 from tests.support.harness import run_distributed
+from tests.support.moe_workers import moe_reference
+from tests.support.sampler_workers import write_prepared
 from zerodp.cli.commands import main
 from zerodp.config import load_config
 from zerodp.models import arch_of, build_model
@@ -43,6 +48,31 @@ EXPORTED = ("ddp", "zero3", "fsdp")
 MOE = ["model.arch=qwen3_moe", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.head_dim=16",
        "model.n_embd=32", "model.intermediate_size=64", "model.tie_embeddings=false", "model.moe.num_experts=8",
        "model.moe.num_experts_per_tok=2", "model.moe.moe_intermediate_size=16"]
+
+
+RECIPE_ON_CPU = ["model.hf_config=", "model.init_from=", "model.arch=qwen3_moe", "data.source=builtin",
+                 "train.precision=fp32"]
+"""configs/sft-qwen3-moe-lora.yaml's overrides for a CPU without a Hugging Face folder (with MOE's shapes)."""
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
+VARIANTS = {
+    "sequence": ["model.moe.balance=sequence"],
+    "micro_batch+lora": ["model.moe.balance=micro_batch", "model.lora.rank=4", "model.lora.alpha=8",
+                         "model.lora.targets=[q_proj, k_proj, v_proj, o_proj]"],
+}
+"""The equivalence runs' two settings: every parameter trained, the per-sequence balance loss; LoRA on the
+attention projections (the experts and router frozen), transformers' per-micro-batch balance loss."""
+STEPS = 3
+RESUMED = ("zero2", 2, "fsdp", 3)
+"""Resumed: a world-2 zero2 run's step-2 checkpoint, continued to step 4 by fsdp at world 3."""
+
+
+def _equal(data, world: int, variant: str, out, accum: int = 2, steps: int = STEPS) -> list[str]:
+    """An equivalence run: the tiny MoE with a large balance loss weight (0.1), documents of 3 to 45 tokens
+    with a loss mask and document masking, micro batch 2, `accum` micro batches per rank."""
+    return TINY + MOE + VARIANTS[variant] + [
+        "model.moe.router_aux_loss_coef=0.1", f"data.source={data}", "data.document_masking=true",
+        f"train.global_batch_size={2 * world * accum}", "train.micro_batch_size=2", f"train.max_steps={steps}",
+        "optim.lr=1e-3", "optim.min_lr=1e-4", f"train.out_dir={out}"]
 
 
 def _ids(n: int = 2, seed: int = 3) -> torch.Tensor:
@@ -169,6 +199,16 @@ def runs(tmp_path_factory):
     x, y = _ids(2, seed=6), _ids(2, seed=7)
     routed = TINY + MOE + ["strategy.name=zero3", "train.global_batch_size=4", f"train.out_dir={root / 'unused'}"]
     tokens = _disjoint_tokens(routed)
+    documents = np.random.default_rng(46).integers(3, 46, size=400).tolist()
+    data = write_prepared(root / "documents", documents, documents[:40], targets=[0.0, 1.0, 0.05, 0.6, 0.0])
+    # the equivalence runs: single (world 1) at the world-2 batches, then every strategy at world 2 and 3
+    equal_runs = {w: [(v, s) for v in VARIANTS for s in (("single",) if w == 1 else STRATEGIES)] for w in (1, 2, 3)}
+    jobs = {w: [{"kind": "train", "overrides": _equal(data, max(w, 2), v, root / "equal" / f"{v}-{s}-w{w}")
+                 + [f"strategy.name={s}"]} for v, s in equal_runs[w]] for w in equal_runs}
+    first, later, later_world = RESUMED[0], RESUMED[2], RESUMED[3]
+    resume_source = root / "equal" / "resume-source"
+    jobs[2].append({"kind": "train", "overrides": _equal(data, 2, "sequence", resume_source, accum=3, steps=4) + [
+        f"strategy.name={first}", "checkpoint.every=2"]})
     single = run_distributed("tests.support.moe_workers:moe_jobs", 1, {"jobs": [
         {"kind": "first_step", "x": x.tolist(), "y": y.tolist(), "overrides": start + [
             "strategy.name=single", "model.moe.balance=micro_batch", "train.global_batch_size=2",
@@ -177,6 +217,7 @@ def runs(tmp_path_factory):
                                                 f"train.out_dir={root / 'train' / 'single'}"]},
         {"kind": "train", "overrides": start + ["strategy.name=single", "train.max_steps=2",
                                                 "train.micro_batch_size=4", f"train.out_dir={root / 'train' / 'mb4'}"]},
+        *jobs[1],
     ]}, timeout=300)[0]
     pair = run_distributed("tests.support.moe_workers:moe_jobs", 2, {"jobs": [
         *({"kind": "train", "overrides": start + [f"strategy.name={strategy}", "train.max_steps=2",
@@ -185,8 +226,21 @@ def runs(tmp_path_factory):
         {"kind": "logits", "idx": x.tolist(), "overrides": start + ["strategy.name=zero3",
                                                                     f"train.out_dir={root / 'unused'}"]},
         {"kind": "routes", "tokens": list(tokens), "steps": 2, "overrides": routed},
+        *jobs[2],
     ]}, timeout=300)
-    return {"root": root, "hf": hf, "x": x, "y": y, "single": single, "pair": pair}
+    # the world-2 zero2 run's step-2 checkpoint, copied to a run folder of its own, resumed at world 3 under fsdp
+    resumed = root / "equal" / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(resume_source / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    (resumed / "checkpoints" / "latest").write_text("step_00000002\n")
+    jobs[3].append({"kind": "train", "fresh": False, "overrides": _equal(data, 3, "sequence", resumed, steps=4) + [
+        f"strategy.name={later}", "checkpoint.every=2"]})
+    trio = run_distributed("tests.support.moe_workers:moe_jobs", later_world, {"jobs": jobs[3]}, timeout=600)
+    n1, n2 = len(jobs[1]), len(jobs[2])
+    equal = {1: single[-n1:], 2: pair[0][-n2:-1], 3: trio[0][:-1]}
+    return {"root": root, "hf": hf, "x": x, "y": y, "single": single, "pair": pair, "data": data,
+            "equal": {w: list(zip(runs_of, equal[w])) for w, runs_of in equal_runs.items()},
+            "resume": (pair[0][-1], trio[0][-1])}
 
 
 def test_a_transformers_folder_starts_a_run_with_transformers_first_loss(runs):
@@ -256,8 +310,94 @@ def test_zero3_finishes_when_ranks_route_to_different_experts(runs):
     """ZeRO-3 at world 2, rank 0's tokens routed to experts rank 1's never see (in every block, at the first
     step): both steps finish (a hang would fail the call's timeout), nothing registered by the user. The
     stacked experts are one module's two parameters: every rank fetches the same tensors in the same order."""
-    r0, r1 = (rank[-1] for rank in runs["pair"])
+    r0, r1 = (rank[len(EXPORTED) + 1] for rank in runs["pair"])
     assert len(r0["experts"]) == len(r1["experts"]) == 2
     assert all(not set(a) & set(b) for a, b in zip(r0["experts"], r1["experts"])), (r0["experts"], r1["experts"])
     assert len(r0["losses"]) == len(r1["losses"]) == 2
     assert r0["losses"] != r1["losses"]  # each rank trained on its own tokens
+
+
+def test_every_strategy_at_world_2_and_3_follows_one_process(runs, capsys):
+    """single (world 1), ddp, zero1, zero2, zero3 and fsdp at world 2 and 3 train 3 steps of the tiny MoE
+    (balance loss weight 0.1) on documents with a loss mask and document masking, 2 micro batches per rank:
+    their losses and weights follow one process's (tests.support.moe_workers.moe_reference) within 1e-5, in
+    both balance modes: `sequence` with every parameter trained, `micro_batch` with LoRA on the attention
+    projections (in that mode the reference takes the balance loss over the same micro batches; at
+    micro batch 2 world 1 and world 2 have the same ones). The mode matters: the two references differ."""
+    root, data, report, failures = runs["root"], runs["data"], [], []
+    for world, got in runs["equal"].items():
+        for (variant, strategy), result in got:
+            ref_losses, ref_weights = _reference(str(data), max(world, 2), variant, world)
+            label = f"{variant:16s} {strategy:6s} world {world}"
+            assert result["weights"].keys() == ref_weights.keys() and len(result["losses"]) == STEPS, label
+            loss = max(abs(a - b) for a, b in zip(result["losses"], ref_losses))
+            weight = max((result["weights"][n] - ref_weights[n]).abs().max().item() for n in ref_weights)
+            report.append(f"{label}: max |loss diff| {loss:.1e}, max |param diff| {weight:.1e}")
+            if loss > TOL or weight > TOL:
+                failures.append(report[-1])
+    with capsys.disabled():
+        print("\n" + "\n".join(report))
+    assert not failures, "\n".join(failures)
+    # micro_batch at world 1 and 2: the same micro batches, the same reference; sequence mode's differs
+    mb1, mb2 = _reference(str(data), 2, "micro_batch+lora", 1), _reference(str(data), 2, "micro_batch+lora", 2)
+    assert mb1[0] == mb2[0]
+    cfg = load_config(None, _equal(data, 2, "micro_batch+lora", root / "unused") + ["model.moe.balance=sequence"])
+    other = moe_reference(cfg, 2)[1]
+    assert max((other[n] - mb2[1][n]).abs().max().item() for n in other) > 10 * TOL
+
+
+def test_resume_at_another_strategy_and_world_size_continues(runs):
+    """A zero2 run at world 2 (3 micro batches per rank), its step-2 checkpoint resumed by fsdp at world 3
+    (2 per rank, the same global batch of 12): steps 3 and 4 and the final weights are one process's."""
+    source, resumed = runs["resume"]
+    ref_losses, ref_weights = moe_reference(load_config(None, _equal(runs["data"], 2, "sequence", "/unused", accum=3,
+                                                                     steps=4)), 2)
+    assert source["losses"] == pytest.approx(ref_losses, abs=TOL)
+    assert resumed["losses"] == pytest.approx(ref_losses[2:], abs=TOL)
+    assert max((resumed["weights"][n] - ref_weights[n]).abs().max().item() for n in ref_weights) <= TOL
+
+
+@functools.cache
+def _reference(data: str, world: int, variant: str, split_world: int):
+    """moe_reference of the equivalence run at `world`'s global batch, split into micro batches for
+    `split_world` ranks."""
+    return moe_reference(load_config(None, _equal(data, world, variant, "/unused")), split_world)
+
+
+def test_a_lora_run_exports_for_peft_over_transformers_qwen3_moe(tmp_path, capsys):
+    """LoRA on the attention projections of a qwen3_moe run (configs/sft-qwen3-moe-lora.yaml at the tiny
+    shapes, single, 3 steps; decoder_sparse_step 2: block 0 dense): `zerodp convert RUN --to peft` is a
+    folder the real `peft` loads over transformers' Qwen3MoeForCausalLM (the base exported with --to hf)
+    and computes zerodp's logits with, as `--to hf --merge` does without peft. Adapters on a dense block's
+    MLP train, but peft (0.21) would load down_proj onto the stacked experts (its transformers-5
+    remapping): --to peft refuses them in one line, exit 2, nothing written."""
+    from tests.distributed.test_lora_export import base_export, logits_of, train
+
+    sparse = [*MOE, "model.moe.decoder_sparse_step=2", "model.lora.rank=4"]
+    # the shipped recipe at the tiny shapes (its adapters on the attention, their dropout keyed by row)
+    train(tmp_path / "run", "configs/sft-qwen3-moe-lora.yaml", *RECIPE_ON_CPU, *sparse)
+    base = base_export(tmp_path / "run", tmp_path)
+    for to in (["--to", "peft"], ["--to", "hf", "--merge"]):
+        assert main(["convert", str(tmp_path / "run"), str(tmp_path / to[-1].strip("-")), *to, "--no-progress"]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    with safe_open(str(tmp_path / "peft" / "adapter_model.safetensors"), "pt") as f:
+        assert len(f.keys()) == 2 * 4 * 2
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    ours, peft, merged = logits_of(tmp_path, base, idx)
+    d_peft, d_merged = (peft - ours).abs().max().item(), (merged - ours).abs().max().item()
+    with capsys.disabled():
+        print(f"\nqwen3_moe LoRA: max |PEFT - zerodp| {d_peft:.1e}, max |merged - zerodp| {d_merged:.1e}")
+    assert d_peft <= TOL and d_merged <= TOL
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()(idx).logits
+    assert (plain - ours).abs().max().item() > 1e-4  # the adapters moved the logits
+
+    train(tmp_path / "mlp", "configs/llama-tiny.yaml", *sparse, "model.lora.targets=[q_proj, down_proj]")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "mlp"), str(tmp_path / "mlp-peft"), "--to", "peft", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["zerodp: error: cannot export qwen3_moe adapters on down_proj for PEFT: peft reads those names on a "
+                   "qwen3_moe model as its stacked experts', so these adapters would not load; export with --to hf "
+                   "--merge, or adapt the attention only (model.lora.targets=[q_proj, k_proj, v_proj, o_proj])"], err
+    assert not (tmp_path / "mlp-peft").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import TINY
 from zerodp.cli.commands import main
 from zerodp.config import load_config
 from zerodp.errors import ConfigError
@@ -68,6 +69,20 @@ def test_zerodp_train_with_bad_moe_settings_exits_2_and_writes_nothing(tmp_path,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("target", ["gate_up_proj", "mlp.experts", "down_proj"])
+def test_adapters_on_the_router_or_experts_are_refused_in_one_line(tmp_path, capsys, target):
+    """The stacked experts and the router take no adapter (down_proj, every block sparse: the experts'): one line
+    that says which layers do, exit 2, nothing written."""
+    out = tmp_path / "run"
+    assert main(["train", "configs/tiny.yaml", *MOE, "model.lora.rank=4", f"model.lora.targets=[q_proj, {target}]",
+                 f"train.out_dir={out}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"zerodp: error: model.lora.targets: '{target}' is the router or the stacked experts of qwen3_moe's "
+                   f"mixture of experts, which take no adapter; adapters go on k_proj, o_proj, q_proj, v_proj (or "
+                   f"all-linear), or train without model.lora"], err
+    assert not out.exists()
+
+
 @pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="torch without grouped_mm")
 def test_the_grouped_matmul_computes_what_the_loop_over_experts_does(monkeypatch):
     """The CUDA path (tokens sorted by expert, one grouped matmul per projection, offsets from the counts) run
@@ -107,9 +122,10 @@ def test_adapters_leave_the_router_and_the_experts_alone():
                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
     model = build_model(cfg.model, seed=1)  # the adapters built where the spec says (an assert otherwise)
     assert not any(p.requires_grad for n, p in model.named_parameters() if ".experts." in n or ".mlp.gate." in n)
-    with pytest.raises(ConfigError, match=r"^model.lora.targets: 'gate' names no linear layer of qwen3_moe's "
-                                          r"blocks; did you mean 'gate_proj'\? its linear layers are down_proj, "
-                                          r"gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj \(or all-linear\)$"):
+    with pytest.raises(ConfigError, match=r"^model.lora.targets: 'gate' is the router or the stacked experts of "
+                                          r"qwen3_moe's mixture of experts, which take no adapter; adapters go on "
+                                          r"down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj \(or "
+                                          r"all-linear\), or train without model.lora$"):
         load_config(None, MOE + ["model.moe.mlp_only_layers=[1]", "model.lora.rank=4", "model.lora.targets=[gate]"])
 
 
@@ -127,3 +143,45 @@ def test_a_resume_at_another_micro_batch_says_what_it_changes_in_micro_batch_mod
         assert note == ([("train.micro_batch_size=2 there, 4 here with model.moe.balance=micro_batch: the balance "
                           "loss is taken over each micro batch of 4 sequences, so the micro batch size changes what "
                           "is trained (model.moe.balance=sequence does not)")] if said else [])
+
+
+def test_router_telemetry_names_the_idle_experts(group, tmp_path, monkeypatch, capsys):
+    """A router set to send every token to experts 2 and 5 (of 8, in both sparse blocks): each log interval's
+    last record holds, per block, the most loaded expert's share against the mean (8 / 2 = 4.0), the least
+    used one's (0.0) and the six idle experts; a line says so once per interval and the log line sums it up.
+    The counts are the blocks' own, added up on the device and read with the step figures."""
+    from zerodp.models.moe import Router
+    from zerodp.trainer.loop import train
+
+    routed = Router.forward
+
+    def two_experts(self, x):
+        probs, weights, experts = routed(self, x)
+        return probs, weights, torch.tensor([2, 5]).expand_as(experts)
+
+    monkeypatch.setattr(Router, "forward", two_experts)
+    cfg = load_config(None, TINY + MOE + ["model.n_kv_head=2", "strategy.name=single", "train.max_steps=4",
+                                          "train.log_every=2", "train.global_batch_size=4",
+                                          f"train.out_dir={tmp_path}"])
+    train(cfg, fresh=True)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert ["moe/max_load" in r for r in records] == [False, True, False, True]
+    for r in records[1::2]:
+        assert r["moe/max_load"] == [4.0, 4.0] and r["moe/min_load"] == [0.0, 0.0]
+        assert r["moe/idle_experts"] == [[0, 1, 3, 4, 6, 7]] * 2
+    err = capsys.readouterr().err
+    for steps in ("steps 1-2", "steps 3-4"):
+        assert (f"router: 12 expert(s) received no token in {steps} (block 0: 0, 1, 3, 4, 6, 7; block 1: 0, 1, 3, 4, "
+                f"6, 7): they train on nothing while idle; a larger model.moe.router_aux_loss_coef spreads the "
+                f"tokens") in err, err
+    assert ", experts max load 4.00x mean, 12 idle, lr " in err, err
+
+
+def test_router_telemetry_of_a_balanced_interval():
+    """router_figures on counts a real router could give: shares against the mean, no line without an idle
+    expert."""
+    from zerodp.telemetry.router import idle_warning, router_figures
+
+    figures = router_figures([[4.0, 2.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    assert figures == {"moe/max_load": [2.0, 1.0], "moe/min_load": [0.5, 1.0], "moe/idle_experts": [[], []]}
+    assert idle_warning(figures, [0, 1], 1, 10) is None

@@ -80,12 +80,22 @@ def test_a_dpo_run_starts_at_ln2_and_logs_trls_metrics(folder, tmp_path, group, 
     assert last["rewards/chosen"] != 0.0 and last["loss"] != pytest.approx(math.log(2), abs=1e-4)
     assert "rewards/chosen" not in (tmp_path / "config.yaml").read_text()  # the metrics, not the config
     assert not any(p.name.startswith("reference") for p in (tmp_path / "checkpoints").rglob("*"))
-    # zerodp eval computes cross-entropy, not the run's DPO figures: refused in one line (its own process: an
-    # error under this test's process group would leave the process)
-    r = subprocess.run([sys.executable, "-m", "zerodp", "eval", str(tmp_path)], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "trained with train.objective=dpo, whose val_loss and val_rewards/* the run logged" in r.stderr
+    # zerodp eval of the run prints what its last validation logged: the same pairs, the same reference
+    assert logged_validation(tmp_path) == eval_json(tmp_path, capsys)
+
+
+def eval_json(run, capsys) -> dict:
+    """`zerodp eval RUN --json`'s figures."""
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json", "--device", "cpu"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def logged_validation(run, step=None) -> dict:
+    """The val_ figures metrics.jsonl logged at `step` (the last validation without one)."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    record = [r for r in records if "val_loss" in r and (step is None or r["step"] == step)][-1]
+    return {k: pytest.approx(v, abs=1e-6) for k, v in record.items() if k.startswith("val_")}
 
 
 @pytest.mark.parametrize("world,micro", [(1, 12), (1, 2), (2, 2), (2, 6), (3, 4), (3, 2)])
@@ -171,7 +181,8 @@ def test_zerodp_verify_passes_on_a_dpo_config(folder, tmp_path, group):
     assert code == 0
 
 
-def test_precomputed_reference_log_probs_give_the_live_trajectory_and_are_refused_once_stale(tmp_path, group):
+def test_precomputed_reference_log_probs_give_the_live_trajectory_and_are_refused_once_stale(tmp_path, group,
+                                                                                              capsys):
     """dpo.reference=precomputed: one pass at step 0 writes every pair's reference log-probs beside the data;
     the run then follows the live reference's within 1e-5 (train and validation); a second run reads the
     file; changed data, or a resume without the file, is refused in one line."""
@@ -196,6 +207,7 @@ def test_precomputed_reference_log_probs_give_the_live_trajectory_and_are_refuse
     with np.load(data / "reference_logps.npz") as t:
         assert t["train"].shape == (80,) and (t["train"] < 0).all()
     again, _ = run(tmp_path / "again", "precomputed")  # reads the file: the same numbers
+    assert logged_validation(tmp_path / "pre") == eval_json(tmp_path / "pre", capsys)
     assert again["losses"] == pre["losses"]
     meta = json.loads((data / "meta.json").read_text())
     (data / "meta.json").write_text(json.dumps({**meta, "seed": 5}))  # the data prepared again, differently
@@ -207,3 +219,81 @@ def test_precomputed_reference_log_probs_give_the_live_trajectory_and_are_refuse
         (data / name).rename(tmp_path / name)
     with pytest.raises(UserError, match=r"reference_logps.npz is not there, and this run resumes at step 3"):
         run(tmp_path / "pre", "precomputed", steps=4, fresh=False)
+
+
+def test_a_lora_dpo_run_evaluates_as_logged_and_exports_as_any_run(folder, tmp_path, group, capsys):
+    """The reference is the base with the adapters off: zerodp eval prints the logged validation figures; the
+    checkpoint exports to Hugging Face, merged, and as a PEFT folder, the reference nowhere in them."""
+    from zerodp.api import load_model
+    from zerodp.trainer.loop import train
+
+    run = tmp_path / "run"
+    cfg = load_config(None, dpo(folder, "model.lora.rank=4", "model.lora.alpha=8", "train.max_steps=2",
+                                f"train.out_dir={run}", "optim.lr=1e-2", "train.eval_every=2",
+                                "train.eval_batches=2"))
+    train(cfg, fresh=True)
+    logged = logged_validation(run, step=2)
+    assert logged["val_rewards/margins"] != 0.0
+    assert logged == eval_json(run, capsys)
+    assert main(["convert", str(run), str(tmp_path / "merged"), "--to", "hf", "--merge"]) == 0
+    assert main(["convert", str(run), str(tmp_path / "peft"), "--to", "peft"]) == 0
+    files = [p.name for where in ("merged", "peft", "run") for p in (tmp_path / where).rglob("*")]
+    assert not any("reference" in f for f in files), files  # no reference held, none saved or exported
+    x = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        trained = load_model(run)(x)
+        assert torch.allclose(load_model(tmp_path / "merged")(x), trained, atol=1e-5)
+        assert torch.allclose(load_model(tmp_path / "peft")(x), trained, atol=1e-5)
+        assert (trained - load_model(tmp_path / "peft" / "base")(x)).abs().max() > 1e-4  # the adapters trained
+
+
+def snapshot(*folders) -> dict:
+    """Every file under `folders`: its size and modification time."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for f in folders for p in sorted(f.rglob("*"))}
+
+
+def test_a_refused_precomputed_reference_writes_nothing(tmp_path, capsys):
+    """A resume that finds no reference log-probs, and a file of other data, are refused at start-up, before
+    the run folder is opened: the run and data folders are as they were, a new run folder never made."""
+    data = preference_folder(tmp_path / "pairs")
+
+    def train(out, steps):  # its own process: a launch's error under a process group ends the process
+        r = subprocess.run([sys.executable, "-m", "zerodp", "train", "configs/tiny.yaml",
+                            *dpo(data, f"train.max_steps={steps}", f"train.out_dir={out}",
+                                 "dpo.reference=precomputed")], capture_output=True, text=True, timeout=300)
+        sys.stderr.write(r.stderr)  # for one_line_error
+        return r.returncode
+
+    assert train(tmp_path / "run", 2) == 0
+    for name in ("reference_logps.npz", "reference_logps.json"):
+        (data / name).rename(tmp_path / name)
+    before = snapshot(tmp_path / "run", data)
+    capsys.readouterr()
+    one_line_error(capsys, train(tmp_path / "run", 3), r"reference_logps.npz is not there, and this run resumes at "
+                                                       r"step 2")
+    assert snapshot(tmp_path / "run", data) == before
+    for name in ("reference_logps.npz", "reference_logps.json"):
+        (tmp_path / name).rename(data / name)
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "seed": 5}))  # the data prepared again, differently
+    before = snapshot(tmp_path / "run", data)
+    for out, steps in ((tmp_path / "run", 3), (tmp_path / "new", 2)):
+        one_line_error(capsys, train(out, steps), r"holds reference log-probs of other weights or data \(the data "
+                                                  r"changed since\)")
+    assert snapshot(tmp_path / "run", data) == before and not (tmp_path / "new").exists()
+
+
+def test_the_dpo_lora_recipe_runs_on_cpu_by_overrides(folder, tmp_path, group):
+    """configs/dpo-llama-lora.yaml at the suite's tiny shapes on a small preference set, as its header says:
+    the reference is the base with the adapters off, so the first step's loss is ln 2 and no copy is held."""
+    from zerodp.trainer.loop import train
+
+    cfg = load_config("configs/dpo-llama-lora.yaml", [
+        "model.hf_config=", "model.init_from=", "model.arch=llama", "model.n_layer=2", "model.n_head=2",
+        "model.n_embd=32", "model.block_size=32", "train.precision=fp32", "strategy.name=single",
+        f"data.source={folder}", "train.global_batch_size=12", "train.max_steps=2", f"train.out_dir={tmp_path}",
+        "train.progress=false", "optim.warmup_steps=1"])
+    assert (cfg.train.objective, cfg.dpo.reference, cfg.model.lora["rank"]) == ("dpo", "adapters-off", 16)
+    assert cfg.train.global_batch_size == 12 and not cfg.data.packing
+    summary = train(cfg, fresh=True)
+    assert summary["losses"][1] == pytest.approx(math.log(2), abs=1e-6)

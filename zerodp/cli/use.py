@@ -36,6 +36,7 @@ EVAL_EXAMPLES = """examples:
   zerodp eval runs/llama-mine --all                 # every sample of the validation split once
   zerodp eval exports/llama-hf data.source=data/mine --max-tokens 1000000
   zerodp eval exports/sft-hf data.source=data/sft data.document_masking=true   # as the run saw its data
+  zerodp eval runs/dpo-llama-lora                   # a DPO run: val_loss, val_rewards/*, val_logps/* as logged
 """
 
 
@@ -72,7 +73,9 @@ def add_parsers(subparsers) -> None:
                     "the run's config (a Hugging Face folder), every sample of the validation split once (a "
                     "`zerodp prepare` folder's val.bin, or the last data.val_fraction of another source). Either "
                     "takes the data settings: the loss mask (zerodp prepare --chat), data.packing and "
-                    "data.document_masking, the run's unless an override names others.",
+                    "data.document_masking, the run's unless an override names others. A train.objective=dpo run "
+                    "prints its validation pairs' loss, rewards and log-probs, against the run's reference, as it "
+                    "logged them.",
         epilog=EVAL_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("path", metavar="PATH",
                    help="a run folder, step folder, DeepSpeed/DCP folder, safetensors or HF folder")
@@ -320,10 +323,10 @@ def run_eval(args) -> int:
     device = _device(args.device)
     with open_model(args.path) as source:
         cfg = eval_config(source, args.overrides, args.path)
-        if cfg.train.objective != "sft":
-            raise UserError(f"{args.path} trained with train.objective={cfg.train.objective}, whose val_loss and "
-                            f"val_rewards/* the run logged in metrics.jsonl; zerodp eval computes the cross-entropy of "
-                            f"targets only (add train.objective=sft and an SFT data.source for that)")
+        preference = cfg.train.objective == "dpo"
+        if preference and (args.all or args.max_tokens is not None):
+            raise UserError(f"{args.path} trained with train.objective=dpo: zerodp eval computes its validation pairs' "
+                            f"loss and rewards, as the run did; drop --all and --max-tokens")
         recorded = (source.meta.get("tokenizer") or {}).get("sha256")
         prepared = prepared_meta(primary_source(cfg.data))
         used = ((prepared or {}).get("tokenizer") or {}).get("sha256")
@@ -342,6 +345,8 @@ def run_eval(args) -> int:
         model = model_from_source(source, device)
     if data.note:
         print(f"zerodp: {data.note}", file=sys.stderr)
+    if preference:
+        return _eval_preference(model, data, cfg, args, device)
     if whole:
         results = [_eval_split(model, part, args, device) for _, part in data.per_source()]
     else:
@@ -369,6 +374,37 @@ def run_eval(args) -> int:
     if len(results) > 1:
         print(f"val_loss {result['val_loss']:.4f}  perplexity {result['perplexity']:.3f}  (the sources' mean by "
               f"weight)")
+    return 0
+
+
+def _eval_preference(model, data, cfg, args, device) -> int:
+    """A train.objective=dpo run's figures over its validation pairs: the val_loss and val_rewards/...,
+    val_logps/... its validation logged, by the same code (zerodp.trainer.objective.evaluate_checkpoint)."""
+    import functools
+
+    from zerodp.config.validation import dpo_reference
+    from zerodp.trainer.objective import evaluate_checkpoint
+
+    reference = None
+    if dpo_reference(cfg) == "live":  # the starting weights: model.init_from's, or the seed's
+        from zerodp.api import model_from_source
+        from zerodp.convert import open_checkpoint
+        from zerodp.models import build_model
+
+        if cfg.model.init_from:
+            with open_checkpoint(cfg.model.init_from) as source:
+                reference = model_from_source(source, device, config=cfg.model)
+        else:
+            reference = build_model(cfg.model, seed=cfg.train.seed, device=device)
+    result = evaluate_checkpoint(cfg, model, data, device, functools.partial(_autocast, device, args.precision),
+                                 reference)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    pairs = cfg.train.eval_batches * cfg.train.micro_batch_size // 2
+    print(f"val_loss {result['val_loss']:.4f}  (dpo.loss {cfg.dpo.loss}, beta {cfg.dpo.beta:g}; the run's validation "
+          f"set: {pairs} pairs of {data.streams[0].where})")
+    print("  ".join(f"{k} {v:.4f}" for k, v in result.items() if k != "val_loss"))
     return 0
 
 

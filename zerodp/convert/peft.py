@@ -102,6 +102,7 @@ def write_peft(adapters: dict, dst: str | Path, arch, spec: LoraSpec, base: str 
     from zerodp.convert.source import TensorInfo, write_safetensors_file
 
     assert set(adapters) == set(adapter_shapes(arch, spec)), "the adapters are not the spec's"
+    _check_expert_names(arch, adapters)
     keys = {peft_key(arch.family, n)[0]: n for n in sorted(adapters)}
     infos = {k: TensorInfo(tuple(adapters[n].shape), adapters[n].dtype) for k, n in keys.items()}
     if base_model is not None:
@@ -117,6 +118,19 @@ def write_peft(adapters: dict, dst: str | Path, arch, spec: LoraSpec, base: str 
                                {"format": "pt", "zerodp.layout": "peft", **metadata})
         confirm()
     return [Path(dst) / ADAPTER_CONFIG, Path(dst) / ADAPTER_WEIGHTS] + ([Path(dst) / BASE_FOLDER] if base_model else [])
+
+
+def _check_expert_names(arch, adapters: dict) -> None:
+    """A mixture of experts' adapters PEFT would load onto other weights are refused (ConfigError): on a
+    Qwen3-MoE model, peft (0.21) reads gate_proj, up_proj and down_proj in target_modules as the stacked
+    experts' parameters (its transformers-5 remapping), so a dense block's MLP adapter would not load."""
+    taken = getattr(arch.spec, "PEFT_EXPERT_NAMES", ())
+    bad = sorted({n.rpartition(".lora_")[0].rpartition(".")[2] for n in adapters} & set(taken))
+    if bad:
+        raise ConfigError(f"cannot export {arch.family} adapters on {', '.join(bad)} for PEFT: peft reads those names "
+                          f"on a {arch.family} model as its stacked experts', so these adapters would not load; export "
+                          f"with --to hf --merge, or adapt the attention only (model.lora.targets=[q_proj, k_proj, "
+                          f"v_proj, o_proj])")
 
 
 # -- reading -----------------------------------------------------------------------------------------

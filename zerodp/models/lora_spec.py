@@ -195,6 +195,10 @@ def check_targets(arch, spec: LoraSpec, where: str = "model.lora.targets") -> No
                                   f"(it is matched against whole names such as {example}); its linear layers are "
                                   f"{', '.join(names)}")
         elif not any(matches(m, target) for m in modules):
+            if target in (*getattr(arch.spec, "UNADAPTED", ()), *getattr(arch.spec, "PEFT_EXPERT_NAMES", ())):
+                raise ConfigError(f"{where}: {target!r} is the router or the stacked experts of {arch.family}'s "
+                                  f"mixture of experts, which take no adapter; adapters go on {', '.join(names)} (or "
+                                  f"all-linear), or train without model.lora")
             close = difflib.get_close_matches(target.rpartition(".")[2], names, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"{where}: {target!r} names no linear layer of {arch.family}'s blocks; {hint}"

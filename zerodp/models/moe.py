@@ -27,7 +27,10 @@ class RouterLog:
     """What the sparse blocks of one forward pass record for the balance loss, per sequence: the times
     each expert was among a token's top k (B, E) and the sum of each expert's router probability (B, E),
     summed over the sparse blocks. Recorded only while `recording` (the model's training forward): an
-    activation-checkpointed block run again in the backward pass records nothing twice."""
+    activation-checkpointed block run again in the backward pass records nothing twice.
+
+    Across forwards, for the router's telemetry (zerodp.telemetry.router): each sparse block's tokens per
+    expert (its top-k slots), added up on the device until `take_load` hands them over."""
 
     def __init__(self):
         self.recording = False
@@ -35,6 +38,7 @@ class RouterLog:
         self.probs: torch.Tensor | None = None   # (B, E), fp32, with the router's gradient
         self.layers = 0
         self.tokens = 0  # per sequence (T)
+        self.load: list[torch.Tensor] = []  # per sparse block in order, (E,) fp32: kept across forwards
 
     def start(self, recording: bool) -> None:
         self.recording, self.chosen, self.probs, self.layers, self.tokens = recording, None, None, 0, 0
@@ -44,8 +48,21 @@ class RouterLog:
             return
         self.chosen = chosen if self.chosen is None else self.chosen + chosen
         self.probs = probs if self.probs is None else self.probs + probs
+        counts = chosen.sum(0)  # (E,) this block's tokens per expert
+        if len(self.load) <= self.layers:
+            self.load.append(counts)
+        else:
+            self.load[self.layers] = self.load[self.layers] + counts
         self.layers += 1
         self.tokens = tokens
+
+    def take_load(self) -> torch.Tensor | None:
+        """The tokens each sparse block sent to each expert (L, E) since the last call, on the device (no
+        host sync); None when no training forward ran."""
+        if not self.load:
+            return None
+        load, self.load = torch.stack(self.load), []
+        return load
 
     def balance(self, mode: str) -> torch.Tensor:
         """The balance loss of what was recorded (zerodp.models.moe_spec): over the micro batch's tokens
@@ -108,12 +125,14 @@ class Experts(nn.Module):
             gate, up = F.grouped_mm(rows, w1.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # (N k, I) each
             out = F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)           # (N k, C)
         else:  # one matmul per expert on its rows: the counts on the host (free on the CPU)
-            pieces, start = [], 0
-            for e, n in enumerate(counts.tolist()):
+            # split/unbind, not slices: a slice's backward is a gradient the size of the whole tensor it
+            # was cut from, summed over the E experts (2/3 of the pass on the CPU); split's and unbind's
+            # assemble one gradient for all their pieces
+            sizes, pieces = counts.tolist(), []
+            for part, g_u, down, n in zip(rows.split(sizes), w1.unbind(0), w2.unbind(0), sizes):
                 if n:
-                    gate, up = F.linear(rows[start:start + n], w1[e]).chunk(2, dim=-1)     # (n, I) each
-                    pieces.append(F.linear(F.silu(gate) * up, w2[e]))                       # (n, C)
-                start += n
+                    gate, up = F.linear(part, g_u).chunk(2, dim=-1)                        # (n, I) each
+                    pieces.append(F.linear(F.silu(gate) * up, down))                        # (n, C)
             out = torch.cat(pieces)                                                        # (N k, C)
         out = out * weights.reshape(-1)[order, None].to(out.dtype)
         return torch.zeros(N, out.shape[-1], device=x.device, dtype=out.dtype).index_add_(0, token, out)  # (N, C)

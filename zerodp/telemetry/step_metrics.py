@@ -45,22 +45,32 @@ class Pending:
     balance: torch.Tensor | None = None
     """A mixture of experts: this rank's mean balance loss over its micro batches (zerodp.models.moe_spec),
     a 0-d tensor; None for a dense model."""
+    expert_load: torch.Tensor | None = None
+    """A mixture of experts: the tokens each sparse block sent to each expert on this rank in the step
+    (L, E) (zerodp.models.moe.RouterLog.take_load); None for a dense model."""
 
 
 def fetch_interval(pending: list[Pending], request_code: float, interval_start: float | None = None):
     """The figures of the steps since the last sync point, on every rank.
 
-    One device sync (the stacked losses and norms to the host; the Stopwatches' CUDA events are done
-    then) and one all-gather. Returns (per step: one row per rank of [loss, step seconds, data wait,
+    One device sync (the stacked losses and norms to the host, with a mixture of experts' tokens per
+    expert summed over the interval on the device; the Stopwatches' CUDA events are done then) and one
+    all-gather. Returns (per step: one row per rank of [loss, step seconds, data wait,
     grad norm, forward seconds, probe seconds, local gradient norm squared (nan where not measured),
     wall seconds per step, balance loss (nan for a dense model)]; seconds the all-gather took; the highest
-    preemption request of any rank, 0 for none: the signal of any rank stops all of them). The wall seconds
+    preemption request of any rank, 0 for none: the signal of any rank stops all of them; the tokens each
+    sparse block sent to each expert over the interval on all ranks, (L, E) lists, or None for a dense
+    model). The wall seconds
     are the interval's: from `interval_start` (perf_counter; the loop's start of the interval) to the
     moment the device finished its last step (after the sync), over its steps, the same for each; 0
     without an `interval_start`."""
     on_device = [v.detach().float() for p in pending for v in (p.loss, p.grad_norm, p.local_grad_sq, p.balance)
                  if torch.is_tensor(v)]
-    fetched = iter(torch.stack(on_device).tolist())
+    loads = [p.expert_load for p in pending if p.expert_load is not None]
+    load = torch.stack(loads).sum(0).float() if loads else None  # (L, E) this rank's, still on the device
+    flat = torch.stack(on_device)
+    host = (flat if load is None else torch.cat([flat, load.reshape(-1).to(flat.device)])).tolist()
+    fetched, load_values = iter(host[:len(on_device)]), host[len(on_device):]
     wall = (time.perf_counter() - interval_start) / len(pending) if interval_start is not None else 0.0
     values = []
     for p in pending:
@@ -71,11 +81,16 @@ def fetch_interval(pending: list[Pending], request_code: float, interval_start: 
         values += [loss, p.timer.seconds(), p.data_wait_s, norm, p.forward.seconds(),
                    p.probe.seconds() if p.probe is not None else 0.0, local_sq, wall, balance]
     t0 = time.perf_counter()
-    gathered = all_gather_floats(values + [request_code])
+    gathered = all_gather_floats(values + load_values + [request_code])
     sync_wait = time.perf_counter() - t0
     width = len(values) // len(pending)
     per_step = [[r[i * width:(i + 1) * width] for r in gathered] for i in range(len(pending))]
-    return per_step, sync_wait, max(r[-1] for r in gathered)
+    interval_load = None
+    if load is not None:
+        summed = [sum(r[len(values) + j] for r in gathered) for j in range(len(load_values))]
+        E = load.shape[-1]
+        interval_load = [summed[i:i + E] for i in range(0, len(summed), E)]
+    return per_step, sync_wait, max(r[-1] for r in gathered), interval_load
 
 
 class Throughput:

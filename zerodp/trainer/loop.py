@@ -291,7 +291,7 @@ class Steps:
             pending.append(Pending(done, lr, local_loss, grad_norm, timer, forward, t0 - t_end,
                                    guards.probe.launch() if guards.probe is not None else None, local_sq,
                                    getattr(micro_batches, "targets", None), getattr(micro_batches, "spread", 1.0),
-                                   figures.get("balance_loss")))
+                                   figures.get("balance_loss"), figures.get("expert_load")))
             step_comm[done] = self.meter.record()  # counted on the host as the collectives were issued
             guards.heartbeat.beat(done)  # a write to the job's store, not a device sync
             self._say_epoch_ends(done)
@@ -328,7 +328,8 @@ class Steps:
                     val_data: TokenBatches) -> float:
         """Fetch, record and publish the pending steps' figures (and a validation loss); return the
         preemption request shared by the ranks (Preemption.request_code, 0 for none)."""
-        per_step, sync_wait, stop = fetch_interval(pending, self.guards.preemption.request_code, self.interval_start)
+        per_step, sync_wait, stop, load = fetch_interval(pending, self.guards.preemption.request_code,
+                                                         self.interval_start)
         # The next interval's wall time starts where this one's ended, when the device was done: the
         # exchange, the records and the logging below belong to the next steps' time, evaluation does not.
         self.interval_start = time.perf_counter() - sync_wait
@@ -342,6 +343,8 @@ class Steps:
             if found:
                 record["stragglers"] = found
             new.append(record)
+        if load is not None:  # a mixture of experts: its routers over the interval
+            new[-1].update(self.records.router_load(load, pending[0].step, pending[-1].step))
         if self.objective is not None:  # one all-reduce of the interval's preference metrics
             for record, found in zip(new, self.objective.metrics([p.step for p in pending], self.env.device)):
                 record.update(found)
@@ -405,7 +408,8 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device, f
     A model that leaves an `aux_loss` after its forward (a mixture of experts: router_aux_loss_coef x its
     balance loss, zerodp.models.moe_spec) has it added to the loss it backpropagates, weighed the same in
     every micro batch (a loss mask's weights are the LM loss's); the loss returned stays the LM loss, and
-    `figures` (if given) gets the mean of its `balance_loss` over the micro batches, a 0-d tensor.
+    `figures` (if given) gets the mean of its `balance_loss` over the micro batches, a 0-d tensor, and the
+    step's tokens per expert of each sparse block, `expert_load` (L, E) (zerodp.telemetry.router).
 
     Returns (mean local loss, a 0-d tensor; global grad norm, a tensor or the float DeepSpeed hands
     back; a Stopwatch of the forward passes, read after a device sync; this rank's own micro-batch
@@ -439,6 +443,7 @@ def train_step(strategy, micro_batches: list, lr: float, device: torch.device, f
     grad_norm = strategy.step(lr)
     if figures is not None and balance_sum is not None:
         figures["balance_loss"] = balance_sum / len(micro_batches)
+        figures["expert_load"] = core.router_log.take_load()  # (L, E), on the device (zerodp.telemetry.router)
     return loss_sum / len(micro_batches), grad_norm, forward, local_sq
 
 

@@ -69,6 +69,15 @@ class Preference:
         self.sums: dict[int, torch.Tensor] = {}
         """step done -> the sums of STATS (6,) over this rank's pairs of that step."""
 
+    @classmethod
+    def held(cls, cfg, env, reference=None, table=None) -> Preference:
+        """The objective with its reference already in hand, for `evaluate` outside a run (zerodp eval, one
+        process): `reference` holds the live reference's `.model`, `table` the precomputed log-probs."""
+        self = cls.__new__(cls)
+        self.cfg, self.env, self.mode = cfg, env, dpo_reference(cfg)
+        self.reference, self.table, self._calls, self.sums = reference, table or {}, (None, 0), {}
+        return self
+
     def describe(self) -> str:
         """The start-up line: the loss and what the reference holds."""
         d = self.cfg.dpo
@@ -202,26 +211,76 @@ def reference_key(cfg, data) -> dict:
     return {"reference_sha256": reference, "data_sha256": hashlib.sha256(meta + repr(sizes).encode()).hexdigest()}
 
 
-def precomputed(cfg, env, strategy, data, start: int, objective: Preference) -> dict[str, torch.Tensor]:
-    """Collective: {split: each document's reference log-prob} from the file beside the data, or at step 0
-    without one, from one pass of the starting policy over every document (written by rank 0)."""
-    folder = Path(data[0].streams[0].where).parent
-    meta_file, table_file = folder / f"{REFERENCE_FILE}.json", folder / f"{REFERENCE_FILE}.npz"
-    key = reference_key(cfg, data)
-    if meta_file.is_file() and table_file.is_file():
-        found = json.loads(meta_file.read_text())
-        changed = [what for what, k in (("the reference model", "reference_sha256"), ("the data", "data_sha256"))
-                   if found.get(k) != key[k]]
-        if changed:
-            raise UserError(f"{table_file} holds reference log-probs of other weights or data ({' and '.join(changed)} "
-                            f"changed since); move {REFERENCE_FILE}.npz and .json out of {folder} to compute them "
-                            f"again at a start from step 0, or use dpo.reference=live")
-        with np.load(table_file) as t:
-            return {s: torch.from_numpy(t[s]) for s in ("train", "val")}
-    if start:
+def stored_table(cfg, data) -> dict[str, torch.Tensor] | None:
+    """{split: each document's reference log-prob} from the file beside the data (`data`: TokenBatches of
+    it), None when there is none; refused in one line when computed for other weights or data."""
+    if not _fresh_table(cfg, data):
+        return None
+    with np.load(Path(data[0].streams[0].where).parent / f"{REFERENCE_FILE}.npz") as t:
+        return {s: torch.from_numpy(t[s]) for s in ("train", "val")}
+
+
+def check_reference(cfg, start: int, data) -> None:
+    """Start-up, before anything is written (zerodp.trainer.preflight): a dpo.reference=precomputed run's file
+    beside the data (`data`: its TokenBatches) is of this run's reference and data, and a run that resumes
+    (at step `start` > 0) finds one; else one line."""
+    if cfg.train.objective != "dpo" or dpo_reference(cfg) != "precomputed":
+        return
+    if not _fresh_table(cfg, data) and start:
+        table_file = Path(data[0].streams[0].where).parent / f"{REFERENCE_FILE}.npz"
         raise UserError(f"dpo.reference=precomputed: {table_file} is not there, and this run resumes at step {start}, "
                         f"whose weights are no longer the reference; start from step 0 (--fresh), which computes "
                         f"them, or use dpo.reference=live")
+
+
+def _fresh_table(cfg, data) -> bool:
+    """Whether the reference log-probs are beside the data; refused in one line when they are of other
+    weights or data."""
+    folder = Path(data[0].streams[0].where).parent
+    meta_file, table_file = folder / f"{REFERENCE_FILE}.json", folder / f"{REFERENCE_FILE}.npz"
+    if not (meta_file.is_file() and table_file.is_file()):
+        return False
+    key, found = reference_key(cfg, data), json.loads(meta_file.read_text())
+    changed = [what for what, k in (("the reference model", "reference_sha256"), ("the data", "data_sha256"))
+               if found.get(k) != key[k]]
+    if changed:
+        raise UserError(f"{table_file} holds reference log-probs of other weights or data ({' and '.join(changed)} "
+                        f"changed since); move {REFERENCE_FILE}.npz and .json out of {folder} to compute them "
+                        f"again at a start from step 0, or use dpo.reference=live")
+    return True
+
+
+def evaluate_checkpoint(cfg, model, val_data, device, autocast, reference=None) -> dict[str, float]:
+    """zerodp eval of a train.objective=dpo run, on one process: `Preference.evaluate`'s figures (what the run
+    logged as val_loss and val_rewards/...) of `model` over the run's validation pairs, against the run's
+    reference: `reference` for a live one (the starting weights, model.init_from's or the seed's), `model`
+    with its adapters off, the log-probs precomputed beside the data, or none (simpo)."""
+    from types import SimpleNamespace
+
+    env = SimpleNamespace(rank=0, world_size=1, device=device)
+    objective = Preference.held(cfg, env)
+    if objective.mode == "live":
+        assert reference is not None, "a live reference takes the starting weights"
+        objective.reference = SimpleNamespace(model=reference.eval())
+    elif objective.mode == "precomputed":
+        objective.table = stored_table(cfg, [val_data])
+        if objective.table is None:
+            folder = Path(val_data.streams[0].where).parent
+            raise UserError(f"this run's reference log-probs ({REFERENCE_FILE}.npz, dpo.reference=precomputed) are "
+                            f"not in {folder}; evaluate on the data folder the run wrote them to (data.source=DIR)")
+    return objective.evaluate(SimpleNamespace(model=model, autocast=autocast), val_data, cfg, env)
+
+
+def precomputed(cfg, env, strategy, data, start: int, objective: Preference) -> dict[str, torch.Tensor]:
+    """Collective: {split: each document's reference log-prob} from the file beside the data, or at step 0
+    without one, from one pass of the starting policy over every document (written by rank 0)."""
+    check_reference(cfg, start, data)  # preflight's check, again: the file may have gone since
+    table = stored_table(cfg, data)
+    if table is not None:
+        return table
+    folder = Path(data[0].streams[0].where).parent
+    meta_file, table_file = folder / f"{REFERENCE_FILE}.json", folder / f"{REFERENCE_FILE}.npz"
+    key = reference_key(cfg, data)
     table = {name: _pass(objective, strategy, batches, cfg, env) for name, batches in zip(("train", "val"), data)}
     if env.rank == 0:
         tmp = folder / f".{REFERENCE_FILE}.tmp.npz"

@@ -5,7 +5,8 @@ passes is a launch that gets past its start-up.
 `preflight` checks, in order: the planner's choices (strategy.name=auto, train.micro_batch_size=auto),
 the batch split and the strategy's own settings, that train.out_dir can be written, the loggers'
 packages, where the run starts (the checkpoint it resumes from or the init_from weights, against the
-configured model) and the data (both splits). Each is a user error with one line that names the fix.
+configured model), the data (both splits) and, for dpo.reference=precomputed, the reference log-probs
+beside it. Each is a user error with one line that names the fix.
 
 Where each check runs is the one difference between the two callers, and it is kept apart from the
 checks themselves: `Alone` runs every check in this process with no process group (the dry run);
@@ -82,6 +83,10 @@ def preflight(cfg: Config, fresh: bool, checks: Alone | Together, on_plan=None, 
                          share=True)
     tokens, train_data, val_data, prepared_line = checks.every(lambda: inputs(cfg))
     notes = checks.every(lambda: start_notes(cfg, train_data))
+    if cfg.train.objective == "dpo":
+        from zerodp.trainer.objective import check_reference  # which imports this module's Together
+
+        checks.every(lambda: check_reference(cfg, start.step, (train_data, val_data)))
     if checks.writes and start.step < cfg.train.max_steps:  # a run with nothing to train writes nothing
         checks.every(lambda: check_out_dir(Path(cfg.train.out_dir), write=True))
     return Ready(cfg, plan, grad_accum, start, tokens, train_data, val_data, prepared_line, searched, notes)

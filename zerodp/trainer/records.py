@@ -11,8 +11,8 @@ from pathlib import Path
 
 from zerodp.config import Config
 from zerodp.distributed.process_group import DistEnv
-from zerodp.models import flops_per_token
-from zerodp.telemetry import loggers
+from zerodp.models import arch_of, flops_per_token
+from zerodp.telemetry import loggers, router
 from zerodp.telemetry.grad_noise import NoiseScale, advice, skip_reason
 from zerodp.telemetry.step_metrics import Pending, Throughput, describe_run, peak_flops
 from zerodp.trainer.preflight import Together
@@ -47,6 +47,8 @@ class Records:
         self.losses: dict[int, float] = {}
         self.records: list[dict] = []
         self._since_line: list[dict] = []
+        self.sparse_blocks: list[int] | None = None
+        """A mixture of experts: the model's index of each sparse block (the router figures' order)."""
         """Records since the last console line (train.progress=false), for its median."""
 
     def measure(self, p: Pending, per_rank: list[list[float]], sync_wait: float, comm: dict) -> dict:
@@ -60,6 +62,18 @@ class Records:
             if estimate is not None:
                 record["grad_noise_scale"] = estimate
         return record
+
+    def router_load(self, load: list[list[float]], first: int, last: int) -> dict:
+        """The router figures of steps first..last (zerodp.telemetry.router) for the interval's last record;
+        a line (rank 0) when an expert received no token in all of them."""
+        figures = router.router_figures(load)
+        if self.sparse_blocks is None:
+            a = arch_of(self.cfg.model)
+            self.sparse_blocks = [i for i in range(a.n_layer) if a.is_moe_layer(i)]
+        line = router.idle_warning(figures, self.sparse_blocks, first, last)
+        if line:
+            log(self.env, line)
+        return figures
 
     def publish(self, new: list[dict]) -> None:
         """Keep the records of a sync point; write them to metrics.jsonl and the loggers, show them."""
@@ -124,6 +138,8 @@ class Records:
             mfu = f", MFU {statistics.median(r['mfu'] for r in kept):.1%}" if "mfu" in record else ""
             epoch = f", epoch {record['epoch']:.2f}" if "epoch" in record else ""
             balance = f", balance_loss {record['balance_loss']:.4f}" if "balance_loss" in record else ""
+            if "moe/max_load" in record:
+                balance += router.summary(record)
             balance += "".join(f", {k} {record[k]:.4f}" for k in ("rewards/margins", "rewards/accuracies")
                                if k in record)  # train.objective=dpo
             log(env, f"step {step}/{cfg.train.max_steps}: loss {record['loss']:.4f}{balance}, lr {record['lr']:.2e}, "

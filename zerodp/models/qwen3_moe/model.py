@@ -34,12 +34,13 @@ class Qwen3Moe(Qwen3):
         self.balance_loss: torch.Tensor | None = None
         self.aux_loss: torch.Tensor | None = None
 
-    def forward(self, idx, targets=None, doc_ids=None, cache=None):
-        """DecoderLM's forward; a training forward with targets also sets `balance_loss` and `aux_loss`."""
+    def forward(self, idx, targets=None, doc_ids=None, cache=None, **kwargs):
+        """DecoderLM's forward (its keywords, dropout_keys among them); a training forward with targets also
+        sets `balance_loss` and `aux_loss`."""
         log = self.router_log
         log.start(recording=targets is not None and self.training)
         try:
-            out = super().forward(idx, targets, doc_ids, cache)
+            out = super().forward(idx, targets, doc_ids, cache, **kwargs)
         finally:
             log.recording = False
         if log.layers:

@@ -34,6 +34,14 @@ param_shapes = llama.param_shapes
 NOT_ADAPTED = ("mlp.gate",)
 """Modules with a 2-D weight that low-rank adapters leave alone: the router (transformers' is no nn.Linear,
 so PEFT's all-linear skips it too). The stacked experts are 3-D: never a target."""
+UNADAPTED = ("mlp.gate", "mlp.experts", "experts", "gate", "gate_up_proj", "experts.gate_up_proj",
+             "experts.down_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+"""model.lora.targets that name the router or the stacked experts: refused in one line that says what takes an
+adapter (peft 0.21 can adapt the experts as `target_parameters`, in a layout of its own zerodp neither
+trains nor writes)."""
+PEFT_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+"""Adapter module names peft (0.21, transformers 5) reads on a Qwen3-MoE model as the stacked experts'
+parameters: a dense block's MLP adapters cannot be exported for PEFT (zerodp.convert.peft)."""
 
 EXPERTS = {
     "mlp.experts.gate_up_proj": ("gate_proj.weight", "up_proj.weight"),

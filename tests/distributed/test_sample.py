@@ -174,8 +174,8 @@ def test_sample_in_bf16_agrees_on_every_rank(sampled_on_2_ranks):
         assert len(a["tokens"]) == 4 + 40 and all(0 <= t < 256 for t in a["tokens"]), a["tokens"]
 
 
-# 8 x 768 GPT: 57M parameters, 227 MB fp32; one block is 7.1M parameters (28 MB, 0.12 x).
-BIG = ["model.n_layer=8", "model.n_embd=768", "model.n_head=12", "model.vocab_size=256", "model.block_size=64",
+# 12 x 384 GPT: 21M parameters, 85 MB fp32; one block is 1.8M parameters (7 MB, 0.08 x).
+BIG = ["model.n_layer=12", "model.n_embd=384", "model.n_head=6", "model.vocab_size=256", "model.block_size=64",
        "train.micro_batch_size=1", "train.global_batch_size=2", "train.precision=fp32", "train.sample_tokens=2"]
 # DeepSpeed keeps every gathered parameter whose next use (in the recorded forward + backward) is within
 # stage3_max_reuse_distance elements, 1e9 by default: under zero3 a model this small stays gathered from
@@ -200,8 +200,9 @@ def test_sampling_a_sharded_model_needs_no_more_memory_than_training(monkeypatch
         figures = ", ".join(f"rank {r}: {res[i]['sample'] / MB:,.0f} MB = {res[i]['sample'] / fp32:.2f} x "
                             f"(a training step: {res[i]['step'] / MB:,.0f} MB)" for r, res in enumerate(results))
         what = f"{name}: peak RSS growth during sample() {figures} of the {fp32 / MB:,.0f} MB fp32 model"
-        # The bound: nothing after training needs more memory than training did.
-        assert all(res[i]["sample"] < 1.1 * res[i]["step"] + 8 * MB for res in results), what
+        # The bound: nothing after training needs more memory than training did (allowing 3.5 % of
+        # the model for the allocator's noise: 8 MB of the 227 MB model this test once used).
+        assert all(res[i]["sample"] < 1.1 * res[i]["step"] + 0.035 * fp32 for res in results), what
         if name != "zero3":  # parameters freed block by block: one block (and its successor) gathered
             assert all(res[i]["sample"] < 0.4 * fp32 for res in results), what + "; expected < 0.4 x"
         assert a["text"] and a["text"] == b["text"], (name, a["text"], b["text"])

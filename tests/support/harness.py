@@ -242,20 +242,23 @@ def _run_once(target: str, world_size: int, kwargs: dict | None, timeout: float,
               device: str) -> list:
     env = base_env(world_size) if device == "cpu" else gpu_env(base_env(world_size))
     with tempfile.TemporaryDirectory() as tmp:
-        procs = []
+        procs, logs = [], [Path(tmp) / f"rank{rank}.log" for rank in range(world_size)]
         for rank in range(world_size):
             e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
             cmd = [sys.executable, "-m", "tests.support.harness", target, json.dumps(kwargs or {}), tmp, device]
-            procs.append(subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outputs = []
+            # to a file, not a pipe: a rank whose output filled a pipe not yet read (the others' are read
+            # after rank 0 exits) would block in its write while rank 0 waits for it in a collective
+            with open(logs[rank], "wb") as log:
+                procs.append(subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
         for p in procs:
             try:
-                out, _ = p.communicate(timeout=timeout)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 for q in procs:
                     q.kill()
                 raise
-            outputs.append(out.decode(errors="replace"))
+        outputs = [log.read_bytes().decode(errors="replace") for log in logs]
         for rank, p in enumerate(procs):
             if p.returncode != 0 and not allow_missing:
                 raise RuntimeError(f"rank {rank} exited with {p.returncode}:\n{outputs[rank][-6000:]}")

@@ -34,15 +34,15 @@ UNIT_SECONDS = 42
 # of the pytest process and its children) the file took after and before the change, both measured at the
 # same time on the same busy machine; the unit tier's likewise.
 SECONDS = {
-    "test_faults.py": 152,
+    "test_faults.py": 126,
     "test_readme.py": 115,
     "test_first_day.py": 90,
     "test_async_checkpoint.py": 66,
-    "test_sample.py": 61,
     "test_equivalence.py": 58,
     "test_convert_engines.py": 56,
     "test_resume_latest.py": 55,
     "test_compile.py": 46,
+    "test_sample.py": 46,
     "test_fsdp.py": 44,
     "test_portable.py": 41,
     "test_runtime.py": 37,

@@ -8,6 +8,7 @@ would, and none of those files ship with the repository.
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -52,9 +53,55 @@ def sft_inputs(tmp_path_factory):
     return [f"model.hf_config={llama}", f"model.init_from={llama}", f"data.source={root / 'sft'}"]
 
 
+@pytest.fixture(scope="module")
+def moe_inputs(sft_inputs, tmp_path_factory):
+    """configs/sft-qwen3-moe-lora.yaml's placeholders: a tiny Qwen3-MoE folder saved by transformers, with
+    the Llama folder's tokenizer and template (the same ids: the same prepared conversations)."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    llama = sft_inputs[0].split("=", 1)[1]
+    folder = tmp_path_factory.mktemp("moe_inputs") / "qwen3-moe"
+    torch.manual_seed(0)
+    vocab = json.loads((ROOT / llama / "config.json").read_text())["vocab_size"]
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{llama}/{name}", folder / name)
+    return [f"model.hf_config={folder}", f"model.init_from={folder}", sft_inputs[2]]
+
+
+@pytest.fixture(scope="module")
+def dpo_inputs(sft_inputs, tmp_path_factory):
+    """configs/dpo-llama-lora.yaml's placeholders: the Llama folder as the SFT export, and preference pairs
+    prepared with its tokenizer (plain rows: the reversed words chosen, the words as given rejected)."""
+    from tests.support.sft_fixtures import reverse_rows, write_rows
+    from zerodp.cli.commands import main
+
+    llama = sft_inputs[0].split("=", 1)[1]
+    root = tmp_path_factory.mktemp("dpo_inputs")
+    rows = [{"prompt": r["prompt"], "chosen": r["response"], "rejected": r["prompt"].removeprefix("reverse: ")}
+            for r in reverse_rows(200)]
+    write_rows(root / "pairs.jsonl", rows)
+    assert main(["prepare", str(root / "pairs.jsonl"), "--preference", "--tokenizer", llama, "--out",
+                 str(root / "dpo"), "--val-fraction", "0.3", "--no-progress"]) == 0
+    return [f"model.hf_config={llama}", f"model.init_from={llama}", f"data.source={root / 'dpo'}"]
+
+
 def filled(path, request) -> list[str]:
-    """The overrides that fill in a config's placeholders (path/to/...)."""
-    return request.getfixturevalue("sft_inputs") if "path/to/" in path.read_text() else []
+    """The overrides that fill in a config's placeholders (path/to/...): a tiny folder of the config's own
+    kind (a Llama, a Qwen3-MoE) and data of its objective (conversations, preference pairs)."""
+    text = path.read_text()
+    if "path/to/" not in text:
+        return []
+    if re.search(r"^\s*objective:\s*dpo", text, re.M):
+        return request.getfixturevalue("dpo_inputs")
+    return request.getfixturevalue("moe_inputs" if "path/to/qwen3-moe" in text else "sft_inputs")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)

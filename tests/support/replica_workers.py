@@ -39,8 +39,8 @@ def flip_one_bit(runs: list[dict], rank: int, after_step: int, bit: int = 0) -> 
     for run in runs:
         steps = {"done": 0}
 
-        def flipping(strategy, micro_batches, lr, device, steps=steps, gathered=run.get("gathered", False)):
-            result = original(strategy, micro_batches, lr, device)
+        def flipping(strategy, micro_batches, lr, device, *rest, steps=steps, gathered=run.get("gathered", False)):
+            result = original(strategy, micro_batches, lr, device, *rest)
             steps["done"] += 1
             if steps["done"] == after_step and dist.get_rank() == rank and gathered:
                 model = getattr(strategy, "module", None) or strategy.model

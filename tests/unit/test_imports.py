@@ -7,6 +7,7 @@ do not."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -66,8 +67,10 @@ def _imports(tree: ast.AST, annotations: bool = False):
                 yield node.module
 
 
+@functools.cache
 def module_imports(annotations: bool = False) -> dict[str, set[str]]:
-    """Every zerodp module -> the zerodp modules it imports (with `annotations`, those under TYPE_CHECKING too)."""
+    """Every zerodp module -> the zerodp modules it imports (with `annotations`, those under TYPE_CHECKING too);
+    parsed once per session (callers only read it)."""
     graph: dict[str, set[str]] = {}
     for f in ROOT.rglob("*.py"):
         module = ".".join(f.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__")

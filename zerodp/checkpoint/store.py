@@ -320,12 +320,27 @@ def check_model(path: str | Path, model_cfg: dict, shapes: dict[str, tuple], may
         saved = _effective((source.meta.get("config") or {}).get("model") or {})
         ours = _effective(model_cfg)
         diffs = [f"model.{k}={saved[k]!r} there, {v!r} here" for k, v in ours.items()
-                 if k not in FREE_MODEL_KEYS and k not in free and k != "lora" and k in saved and saved[k] != v]
+                 if k not in FREE_MODEL_KEYS and k not in free and k not in ("lora", "moe") and k in saved
+                 and saved[k] != v]
+        if "moe" in ours and "moe" in saved:
+            diffs += _moe_diffs(saved["moe"], ours["moe"])
         if "lora" not in free and "lora" in ours and ("lora" in saved or source.meta.get("lora")):
             diffs += _lora_diffs(source.meta.get("lora") or saved.get("lora"), ours["lora"])
         problem = ", ".join(diffs) if diffs else state.mismatch(shapes, may_lack)
         lora = bool((source.meta.get("lora") or ((source.meta.get("config") or {}).get("model") or {}).get("lora")))
         return ModelCheck(problem, state.with_optimizer, "hf_config" in source.meta, lora)
+
+
+FREE_MOE_KEYS = ("balance", "router_aux_loss_coef")
+"""model.moe's training settings (how the balance loss is taken, its weight): no property of the weights."""
+
+
+def _moe_diffs(theirs: dict | None, ours: dict | None) -> list[str]:
+    """How a checkpoint's model.moe differs from the configured one, key by key, its training settings
+    (FREE_MOE_KEYS) left out."""
+    theirs, ours = theirs or {}, ours or {}
+    return [f"model.moe.{k}={theirs.get(k)!r} there, {ours.get(k)!r} here" for k in sorted({*theirs, *ours})
+            if k not in FREE_MOE_KEYS and theirs.get(k) != ours.get(k)]
 
 
 def _lora_diffs(theirs: dict | None, ours: dict | None) -> list[str]:

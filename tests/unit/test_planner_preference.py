@@ -15,6 +15,7 @@ from tests.unit.test_preference_train import preference_folder
 from zerodp.config import load_config
 from zerodp.planner import Cluster, Layout, Workload, estimate, gpu_preset, plan_for_training, preset
 from zerodp.planner.buckets import bucket_bytes
+from zerodp.planner.persistence import persistent_param_bytes
 from zerodp.planner.preference import avoidable_bytes, precompute_flops, reference_bytes, reference_states
 
 MODEL = preset("llama2-7b")
@@ -43,7 +44,10 @@ def test_a_live_reference_holds_what_the_engine_holds_of_a_model_it_sets_up(stra
 
 def test_zero3_shards_the_reference_and_keeps_its_gradient_partition_and_a_bucket():
     got = reference_states(MODEL, layout("zero3"), "live")
-    assert got["params"] == 2 * math.ceil(P / 8) and got["master"] == got["grads"] == 4 * math.ceil(P / 8)
+    # its partition, and the persistent parameters (norms) gathered whole after its first forward
+    persistent = persistent_param_bytes(MODEL, layout("zero3"))
+    assert persistent > 0 and got["params"] == 2 * math.ceil(P / 8) + persistent
+    assert got["master"] == got["grads"] == 4 * math.ceil(P / 8)
     assert got["buckets"] == bucket_bytes(3, MODEL.hidden, P, "bf16", "fp32", False, None, MODEL.largest_param) > 0
 
 
@@ -66,7 +70,8 @@ def test_the_reference_adds_its_bytes_and_a_forward_and_precomputed_adds_nothing
 def test_offload_moves_the_references_master_and_partitions_to_the_host():
     both = dataclasses.replace(layout("zero3"), offload_optimizer=True, offload_params=True)
     got = reference_states(MODEL, both, "live")
-    assert got["offloaded"] == 2 * math.ceil(P / 8) + 4 * math.ceil(P / 8) and got["params"] == got["master"] == 0
+    assert got["offloaded"] == 2 * math.ceil(P / 8) + 4 * math.ceil(P / 8) and got["master"] == 0
+    assert got["params"] == persistent_param_bytes(MODEL, both)  # persistent parameters stay on the device
     e, alone = estimate(MODEL, both), estimate(MODEL, dataclasses.replace(both, workload=Workload(2, 1024)))
     assert e.offloaded_bytes - alone.offloaded_bytes == got["offloaded"]
 

@@ -29,6 +29,7 @@ import math
 from typing import Optional
 
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
+from zerodp.planner.persistence import persistent_param_bytes
 from zerodp.planner.types import Layout, MemoryEstimate, ModelSpec
 from zerodp.planner.units import COMPUTE_BYTES, seconds
 
@@ -71,6 +72,9 @@ def reference_states(model: ModelSpec, layout: Layout, reference: Optional[str])
     if layout.offload_params and "params" in s.shards:
         states["offloaded"] += states["params"]
         states["params"] = 0
+    # ZeRO-3's persistent parameters stay gathered on the device after the reference's first forward, as the
+    # policy's do (offload_params or not)
+    states["params"] += persistent_param_bytes(model, layout)
     return states
 
 

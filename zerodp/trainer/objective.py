@@ -121,6 +121,10 @@ class Preference:
                 return completion_logps(net(x, None, *rest), y)[0]
         finally:
             net.train(was)
+            if self.mode == "live" and hasattr(net, "reshard"):
+                # FSDP2 keeps its root unit (embeddings, head) gathered after a forward, for the backward that
+                # a frozen copy never runs: left so, the reference would hold them whole for the whole run
+                net.reshard()
 
     @torch.no_grad()
     def evaluate(self, strategy, val_data, cfg, env) -> dict[str, float]:

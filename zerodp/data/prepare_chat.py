@@ -52,10 +52,29 @@ def check_chat_options(opts) -> None:
         raise UserError(f"--train-on {opts.train_on!r} is not one of {', '.join(TRAIN_ON)}")
     if opts.too_long not in TOO_LONG:
         raise UserError(f"--too-long {opts.too_long!r} is not one of {', '.join(TOO_LONG)}")
+    check_lengths(opts)
+
+
+def check_lengths(opts) -> None:
+    """--max-len and --val-fraction, as every prepare of rows (conversations, preference pairs) takes them."""
     if opts.max_len is not None and opts.max_len < 2:
         raise UserError(f"--max-len {opts.max_len} must be at least 2 tokens (model.block_size + 1, say)")
     if not 0.0 <= opts.val_fraction < 1.0:
         raise UserError(f"--val-fraction {opts.val_fraction} must be in [0, 1); 0 writes an empty val.bin")
+
+
+def row_sources(opts, tokenizer: Path, flag: str, what: str, not_replaceable) -> list:
+    """The JSONL/Parquet files of `opts.inputs` (a text file refused: `flag` reads `what`), after checking
+    that `opts.out` may be written (zerodp.checkpoint.safe_output.check_output)."""
+    sources = find_sources(opts.inputs, None)
+    for s in sources:
+        if s.kind == "text":
+            raise UserError(f"{s.path} is a text file; {flag} reads {what} from JSONL (.jsonl, optionally "
+                            f".gz/.zst) or Parquet files")
+    extra = [Path(opts.chat_template)] if opts.chat_template else []
+    check_output(opts.out, [tokenizer, *extra, *(Path(i) for i in opts.inputs), *(s.path for s in sources)],
+                 opts.overwrite, "zerodp prepare", not_replaceable)
+    return sources
 
 
 def prepare_chat(opts, not_replaceable) -> dict:
@@ -65,14 +84,7 @@ def prepare_chat(opts, not_replaceable) -> dict:
     check_chat_options(opts)
     tok = load_tokenizer(opts.tokenizer, "none")
     tpl = load_template(tok.path, opts.chat_template)
-    sources = find_sources(opts.inputs, None)
-    for s in sources:
-        if s.kind == "text":
-            raise UserError(f"{s.path} is a text file; --chat reads conversations from JSONL (.jsonl, optionally "
-                            f".gz/.zst) or Parquet files")
-    extra = [Path(opts.chat_template)] if opts.chat_template else []
-    check_output(opts.out, [tok.path, *extra, *(Path(i) for i in opts.inputs), *(s.path for s in sources)],
-                 opts.overwrite, "zerodp prepare", not_replaceable)
+    sources = row_sources(opts, tok.path, "--chat", "conversations", not_replaceable)
     fields = (opts.messages_field, opts.prompt_field, opts.response_field)
     skipped, truncated, rows = dict.fromkeys(SKIPS, 0), 0, 0
     counts = {s: {"documents": 0, "tokens": 0, "targets": 0} for s in SPLITS}

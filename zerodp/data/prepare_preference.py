@@ -34,10 +34,11 @@ from pathlib import Path
 import numpy as np
 
 from zerodp import __version__
-from zerodp.checkpoint.safe_output import check_output, staged
+from zerodp.checkpoint.safe_output import staged
 from zerodp.config.sources import FORMAT, META
 from zerodp.data.chat import Refused, end_of_turn, load_template
-from zerodp.data.sources import find_sources, records, sources_meta
+from zerodp.data.prepare_chat import check_lengths, row_sources
+from zerodp.data.sources import records, sources_meta
 from zerodp.data.tokenizer import load_tokenizer
 from zerodp.errors import UserError
 
@@ -135,20 +136,10 @@ def prepare_preference(opts, not_replaceable) -> dict:
     """Tokenize the preference pairs of `opts.inputs` into `opts.out`; return the meta.json written."""
     from zerodp.data.prepare import val_mask
 
-    if opts.max_len is not None and opts.max_len < 2:
-        raise UserError(f"--max-len {opts.max_len} must be at least 2 tokens (model.block_size + 1, say)")
-    if not 0.0 <= opts.val_fraction < 1.0:
-        raise UserError(f"--val-fraction {opts.val_fraction} must be in [0, 1); 0 writes an empty val.bin")
+    check_lengths(opts)
     tok = load_tokenizer(opts.tokenizer, None)
     encoder = PairEncoder(tok, opts.chat_template)
-    sources = find_sources(opts.inputs, None)
-    for s in sources:
-        if s.kind == "text":
-            raise UserError(f"{s.path} is a text file; --preference reads pairs from JSONL (.jsonl, optionally "
-                            f".gz/.zst) or Parquet files")
-    extra = [Path(opts.chat_template)] if opts.chat_template else []
-    check_output(opts.out, [tok.path, *extra, *(Path(i) for i in opts.inputs), *(s.path for s in sources)],
-                 opts.overwrite, "zerodp prepare", not_replaceable)
+    sources = row_sources(opts, tok.path, "--preference", "pairs", not_replaceable)
     skipped, forms, truncated, rows = dict.fromkeys(SKIPS, 0), {"plain": 0, "conversational": 0}, 0, 0
     counts = {s: {"pairs": 0, "documents": 0, "tokens": 0, "targets": 0} for s in SPLITS}
     t0 = time.time()

@@ -178,25 +178,15 @@ def test_explicit_attention_keeps_what_the_planner_counts(family, precision):
     for n_layer in (1, 2):
         cfg = ModelConfig(**dims, n_layer=n_layer, vocab_size=100, block_size=64, dropout=0.1)
         model = build_model(cfg, seed=0).train().to(torch.float32 if precision == "fp32" else torch.bfloat16)
-        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        saved = {}
-
-        def pack(t):
-            s = t.untyped_storage()
-            if s.data_ptr() not in weights:
-                saved[s.data_ptr()] = s.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(x)
-        measured.append(sum(saved.values()))
+        measured.append(_saved_bytes(model, x, autocast=False, targets=False))
         planned.append(activation_bytes(spec_from_model_config(cfg), Workload(2, 64, precision), False))
     one_layer = measured[1] - measured[0]
     assert planned[1] - planned[0] == pytest.approx(one_layer, rel=0.05)
 
 
-def _saved_bytes(model, x, autocast: bool) -> int:
-    """Bytes of the tensors a training forward of `model` keeps for backward (weights left out)."""
+def _saved_bytes(model, x, autocast: bool, targets: bool = True) -> int:
+    """Bytes of the tensors a training forward of `model` keeps for backward (weights left out): with
+    `targets`, the loss's forward (x its own targets), else the logits'."""
     import torch
 
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -210,7 +200,7 @@ def _saved_bytes(model, x, autocast: bool) -> int:
 
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
     with ctx, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, x)
+        model(x, x) if targets else model(x)
     return sum(saved.values())
 
 

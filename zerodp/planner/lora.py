@@ -27,7 +27,7 @@ from typing import Optional
 from zerodp.errors import UserError
 from zerodp.models.lora_spec import LoraSpec, adapter_count, adapter_shapes, check_targets
 from zerodp.planner.types import MemoryEstimate, ModelSpec, Workload
-from zerodp.planner.units import COMPUTE_BYTES, human_count, seconds
+from zerodp.planner.units import COMPUTE_BYTES, aligned, human_count, seconds
 
 
 def with_lora(model: ModelSpec, spec: LoraSpec, where: str = "model.lora.targets") -> ModelSpec:
@@ -141,10 +141,8 @@ def comparison_lines(lora_rows: list[MemoryEstimate], full_rows: list[MemoryEsti
         rows.append((e.name, f"{f.total_bytes / 1e9:.1f}", "yes" if f.fits else "NO", f"{e.total_bytes / 1e9:.1f}",
                      "yes" if e.fits else "NO", f"{f.activation_checkpointing}/{e.activation_checkpointing}",
                      f"{seconds(f.step_s)}/{seconds(e.step_s)}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["Full fine-tuning vs LoRA (total GB per GPU, each row at its own checkpointing):"]
-    for r in rows:
-        lines.append("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)).rstrip())
+    lines += aligned(rows)
     fits_lora = [e.name for e in lora_rows if e.fits and not (full.get(e.name) and full[e.name].fits)]
     if fits_lora:
         lines.append(f"Only with the adapters: {', '.join(fits_lora)}.")

@@ -31,7 +31,7 @@ from typing import Optional
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
 from zerodp.planner.persistence import persistent_param_bytes
 from zerodp.planner.types import Layout, MemoryEstimate, ModelSpec
-from zerodp.planner.units import COMPUTE_BYTES, seconds
+from zerodp.planner.units import COMPUTE_BYTES, aligned, seconds
 
 REFERENCES = ("live", "adapters-off", "precomputed")
 """dpo.reference's values; None: no reference (SFT, or dpo.loss=simpo)."""
@@ -151,12 +151,10 @@ def comparison_lines(dpo_rows: list[MemoryEstimate], sft_rows: list[MemoryEstima
                      f"{e.reference_avoidable_bytes / 1e9:.1f}",
                      f"{s.activation_checkpointing}/{e.activation_checkpointing}",
                      f"{seconds(s.step_s)}/{seconds(e.step_s)}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"SFT vs DPO with dpo.reference={reference} (total GB per GPU, each row at its own checkpointing; "
              f"refer: what the reference holds, avoidable: of it, the buffers the engine builds for any model and a "
              f"frozen one never uses):"]
-    for r in rows:
-        lines.append("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)).rstrip())
+    lines += aligned(rows)
     only_sft = [e.name for e in dpo_rows if not e.fits and sft.get(e.name) and sft[e.name].fits]
     if only_sft:
         lines.append(f"Only without the reference (SFT): {', '.join(only_sft)}.")

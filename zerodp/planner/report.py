@@ -10,7 +10,7 @@ from zerodp.planner.lora import comparison_lines, describe
 from zerodp.planner.memory import MARGIN
 from zerodp.planner.moe import gather_lines
 from zerodp.planner.preference import REFERENCE_WORDS, comparison_lines as dpo_comparison_lines
-from zerodp.planner.units import gb, human_count, seconds
+from zerodp.planner.units import aligned, gb, human_count, seconds
 
 SCHEMA_VERSION = 2
 
@@ -110,11 +110,7 @@ def render_table(plan) -> str:
         rows = _drop(rows, "frozen")
     if plan.workload.objective != "dpo":  # no reference
         rows = _drop(rows, "refer")
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = _header(plan) + [""]
-    for r in rows:
-        lines.append("  ".join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
-                               for i in range(len(r))).rstrip())
+    lines = _header(plan) + [""] + aligned(rows)
     lines.append("")
     if plan.full_fine_tuning is not None:
         lines += comparison_lines(plan.estimates, plan.full_fine_tuning) + [""]

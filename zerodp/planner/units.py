@@ -94,3 +94,11 @@ def lookup(table: dict, name: str, what: str, otherwise: str):
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise UserError(f"unknown {what} {name!r}; {hint}known {what}s: {', '.join(table)} ({otherwise})")
     return table[key]
+
+
+def aligned(rows: list) -> list[str]:
+    """Table rows (sequences of strings, the first the header) as lines: the first column left-aligned, the
+    others right-aligned, each as wide as its widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)).rstrip()
+            for r in rows]

@@ -131,10 +131,7 @@ def prepare_chat(opts, not_replaceable) -> dict:
                            "index": {"file": f"{s}.idx", "dtype": "int64", "of": "each conversation's first token"},
                            "mask": {"file": f"{s}.mask", "dtype": "uint8", "of": "1 where the token is a target"}}
                        for s in SPLITS},
-            "chat": {"template": tpl.source, "template_sha256": _sha(tpl.text), "template_text": tpl.text,
-                     "template_specials": tpl.specials,
-                     **dict(zip(("end_of_turn", "end_of_turn_id"), end_of_turn(tpl, tok.tokenizer))),
-                     "train_on": opts.train_on,
+            "chat": {**template_meta(tpl, tok), "train_on": opts.train_on,
                      "max_len": opts.max_len, "too_long": opts.too_long, "rows": rows, "skipped": skipped,
                      "truncated": truncated, "val_from_train": moved,
                      "fields": dict(zip(("messages", "prompt", "response"), fields))},
@@ -146,6 +143,14 @@ def prepare_chat(opts, not_replaceable) -> dict:
         }
         (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def template_meta(tpl, tok) -> dict:
+    """meta.json's record of the chat template a folder was rendered with (source, sha256, text, specials)
+    and its end-of-turn token: what start-up, generate and export read back."""
+    return {"template": tpl.source, "template_sha256": _sha(tpl.text), "template_text": tpl.text,
+            "template_specials": tpl.specials,
+            **dict(zip(("end_of_turn", "end_of_turn_id"), end_of_turn(tpl, tok.tokenizer)))}
 
 
 def _sha(text: str) -> str:

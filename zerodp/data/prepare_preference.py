@@ -26,7 +26,6 @@ than --max-len keeps its first --max-len tokens (TRL's keep_start), counted as t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -36,8 +35,8 @@ import numpy as np
 from zerodp import __version__
 from zerodp.checkpoint.safe_output import staged
 from zerodp.config.sources import FORMAT, META
-from zerodp.data.chat import Refused, end_of_turn, load_template
-from zerodp.data.prepare_chat import check_lengths, row_sources
+from zerodp.data.chat import Refused, load_template
+from zerodp.data.prepare_chat import check_lengths, row_sources, template_meta
 from zerodp.data.sources import records, sources_meta
 from zerodp.data.tokenizer import load_tokenizer
 from zerodp.errors import UserError
@@ -205,10 +204,7 @@ def prepare_preference(opts, not_replaceable) -> dict:
                        for s in SPLITS},
             "preference": {"rows": rows, "forms": forms, "skipped": skipped, "truncated": truncated,
                            "max_len": opts.max_len, "eos_token": encoder.eos if forms["plain"] else None},
-            **({"chat": {"template": tpl.source, "template_sha256": hashlib.sha256(tpl.text.encode()).hexdigest(),
-                         "template_text": tpl.text, "template_specials": tpl.specials,
-                         **dict(zip(("end_of_turn", "end_of_turn_id"), end_of_turn(tpl, tok.tokenizer)))}}
-               if tpl is not None else {}),
+            **({"chat": template_meta(tpl, tok)} if tpl is not None else {}),
             "documents": counts["train"]["documents"] + counts["val"]["documents"], "split_by_tokens": 0,
             "tokens": sum(counts[s]["tokens"] for s in SPLITS),
             **sources_meta(sources),

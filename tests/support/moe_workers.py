@@ -5,15 +5,12 @@ from __future__ import annotations
 import torch
 
 from tests.support.hf_workers import hf_jobs
+from tests.support.reference import reference_run
 from zerodp.checkpoint import store as checkpoint
 from zerodp.config import load_config
-from zerodp.data.batches import TokenBatches, load_tokens
 from zerodp.distributed.process_group import init_distributed
-from zerodp.models import build_model
 from zerodp.models.moe import SparseMoeBlock
 from zerodp.models.moe_spec import moe_spec
-from zerodp.optim import param_groups
-from zerodp.optim.schedules import lr_at
 from zerodp.trainer.loop import _core, set_up, train_step
 
 
@@ -68,28 +65,16 @@ def moe_reference(cfg, world: int) -> tuple[list[float], dict[str, torch.Tensor]
     as they are) plus router_aux_loss_coef x the balance loss. `sequence`: the global batch's own (the mean
     over its sequences, whatever the split); `micro_batch`: by definition a micro batch's, so the mean over
     the micro batches that `world` ranks at train.micro_batch_size train on (the same rows in each)."""
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, cfg.train.seed)
-    o, moe = cfg.optim, moe_spec(cfg.model.moe)
-    opt = torch.optim.AdamW(param_groups(model, cfg), lr=lr_at(cfg, 0), betas=(o.beta1, o.beta2), eps=o.eps)
-    data = TokenBatches(load_tokens(cfg), cfg, "train")
     G, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
-    losses = []
-    for step in range(cfg.train.max_steps):
-        loss = model(*data.rows(data.offsets(step, G)))
-        aux = model.aux_loss
-        if moe.balance == "micro_batch":
-            parts = []
-            for rank in range(world):
-                for batch in data.rank_micro_batches(step, G, micro, rank, world):
-                    model(*batch)
-                    parts.append(model.aux_loss)
-            aux = sum(parts) / len(parts)
-        (loss + aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg, step)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def balance(model, data, step):
+        if moe_spec(cfg.model.moe).balance != "micro_batch":
+            return model.aux_loss  # the global batch's forward
+        parts = []
+        for rank in range(world):
+            for batch in data.rank_micro_batches(step, G, micro, rank, world):
+                model(*batch)
+                parts.append(model.aux_loss)
+        return sum(parts) / len(parts)
+
+    return reference_run(cfg, balance)

@@ -26,8 +26,10 @@ LLAMA = ["model.arch=llama", "model.n_layer=2", "model.n_embd=32", "model.n_head
          "model.intermediate_size=64", "model.tie_embeddings=false"]
 
 
-def reference_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train on the full global batch of every step in one forward/backward; return losses and weights."""
+def reference_run(cfg: Config, extra_loss=None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train on the full global batch of every step in one forward/backward; return losses and weights.
+    `extra_loss(model, data, step)`, when given, is added to what is backpropagated after the forward (an
+    MoE's balance loss: tests.support.moe_workers.moe_reference); the losses returned stay the LM loss."""
     torch.manual_seed(cfg.train.seed)  # as the loop does
     model = build_model(cfg.model, cfg.train.seed)
     o = cfg.optim
@@ -39,7 +41,7 @@ def reference_run(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
         # (x, y), or (x, y, doc_ids) under document masking; with dropout, the rows' keys (zerodp.models.dropout)
         keys = {"dropout_keys": data.dropout_keys(step, range(G))} if data.dropout_seed is not None else {}
         loss = model(*data.rows(data.offsets(step, G)), **keys)
-        loss.backward()
+        (loss if extra_loss is None else loss + extra_loss(model, data, step)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else float("inf"))
         for g in opt.param_groups:
             g["lr"] = lr_at(cfg, step)

@@ -1,7 +1,8 @@
 """Does `zerodp convert` stream when the source is a DeepSpeed ZeRO checkpoint or a DCP folder?
 
-Writes, with plain programs on 2 gloo processes (no zerodp code), a model much larger than the output
-shard size: (a) a DeepSpeed ZeRO-2 checkpoint (`deepspeed.initialize`, fp32, AdamW, 2 steps) and
+Writes, with plain programs on 2 gloo processes (no zerodp code but `skip_unused_ops`, which keeps DeepSpeed
+from building its inference-only shm op on the CPU), a model much larger than the output shard size: (a) a
+DeepSpeed ZeRO-2 checkpoint (`deepspeed.initialize`, fp32, AdamW, 2 steps) and
 (b) a torch.distributed.checkpoint folder (`fully_shard` + `get_state_dict` + `dcp.save`, model and
 optimizer). Then runs `zerodp convert` on each, to safetensors shards and to a zerodp checkpoint, in a
 child process that records its peak RSS growth after its imports (as tests/distributed/test_convert_memory.py
@@ -76,6 +77,9 @@ def write_deepspeed(out: str, params: float, width: int, steps: int = 2) -> None
     import deepspeed
     import torch
 
+    from zerodp.strategies.deepspeed_ops import skip_unused_ops
+
+    skip_unused_ops()  # DeepSpeed's inference-only shm op: not built on the CPU (the checkpoint is the same)
     torch.distributed.init_process_group("gloo")
     model = build_model(params, width)
     cfg = {

@@ -78,7 +78,7 @@ def test_dry_run_prints_resolved_config(tmp_path):
 
 
 def test_zero_without_a_cpp_compiler_is_one_line_before_anything_is_written(tmp_path):
-    """DeepSpeed compiles its shared-memory op at a zero launch on the CPU. Before: no compiler meant
+    """DeepSpeed compiles cpu_adam at the first strategy.offload_optimizer launch. Before: no compiler meant
     ninja's failure and a 68-157-line traceback (exit 1), after the run folder was made."""
     out = tmp_path / "run"
     env = base_env(1)
@@ -86,10 +86,11 @@ def test_zero_without_a_cpp_compiler_is_one_line_before_anything_is_written(tmp_
         env.pop(k, None)
     # this environment's python and ninja, no compiler; an extensions folder where nothing is built yet
     env.update(PATH=str(Path(sys.executable).parent), TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
-    r = subprocess.run([sys.executable, "-m", "zerodp", "train", ROOT / "configs/tiny.yaml", "strategy.name=zero1",
-                        "model.n_layer=1", "model.block_size=16", "data.max_bytes=20000", "train.progress=false",
-                        f"train.out_dir={out}"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-    one_line_error(r, r"^zerodp: error: strategy.name=zero1: DeepSpeed compiles its C\+\+ op deepspeed_shm_comm at "
-                      r"the first launch and there is no C\+\+ compiler \(no c\+\+ on PATH\); install one "
-                      r"\(apt-get install g\+\+")
+    r = subprocess.run([sys.executable, "-m", "zerodp", "train", ROOT / "configs/tiny.yaml", "strategy.name=zero2",
+                        "strategy.offload_optimizer=true", "model.n_layer=1", "model.block_size=16",
+                        "data.max_bytes=20000", "train.progress=false", f"train.out_dir={out}"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    one_line_error(r, r"^zerodp: error: strategy.name=zero2 with strategy.offload_optimizer=true: DeepSpeed compiles "
+                      r"its C\+\+ op cpu_adam at the first launch and there is no C\+\+ compiler \(no c\+\+ on "
+                      r"PATH\); install one \(apt-get install g\+\+")
     assert not out.exists()

@@ -1,10 +1,15 @@
 """The C++ ops DeepSpeed compiles at a launch (a JIT build through torch.utils.cpp_extension): where they
 are built, whether they can be, and saying so before the build.
 
-A ZeRO engine on DeepSpeed's CPU accelerator builds its shared-memory collectives (ShareMemCommBuilder,
-`deepspeed_shm_comm`, in deepspeed/comm/torch.py's TorchBackend) the first time, 25-70 s on a few cores;
-`strategy.offload_optimizer` builds DeepSpeedCPUAdam's op (CPUAdamBuilder) on any accelerator. Without a
-C++ compiler that build ends the launch in a long traceback of ninja's; `check` finds it at start-up.
+`strategy.offload_optimizer` builds DeepSpeedCPUAdam's op (CPUAdamBuilder) on any accelerator, a minute
+or more on a few cores. Without a C++ compiler that build ends the launch in a long traceback of ninja's;
+`check` finds it at start-up.
+
+On DeepSpeed's CPU accelerator its communication backend (deepspeed/comm/torch.py's TorchBackend) would
+also build its shared-memory collectives (ShareMemCommBuilder, `deepspeed_shm_comm`) at the first
+init_distributed, 25-70 s, for `inference_all_reduce` alone (module_inject's tensor-parallel inference),
+which training never calls: `skip_unused_ops` tells DeepSpeed that op is not to be built, so a zero launch on
+the CPU needs no compiler and waits for no build.
 
 torch keeps the builds in ~/.cache/torch_extensions unless TORCH_EXTENSIONS_DIR says otherwise, one folder
 for every environment of the user: two environments (their include paths differ) rebuild each other's
@@ -63,16 +68,35 @@ def choose_accelerator() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+SHM_COMM = "deepspeed_shm_comm"
+"""DeepSpeed's shared-memory collectives on its CPU accelerator: built for inference only (`skip_unused_ops`)."""
+
+
+def skip_unused_ops() -> None:
+    """Tell DeepSpeed not to build `deepspeed_shm_comm` (before its first init_distributed, which builds it
+    on the CPU accelerator unless DeepSpeed's table of compatible ops says no): its TorchBackend uses the op
+    for `inference_all_reduce` only, every collective of training goes through torch.distributed. The table
+    (`deepspeed.ops.__compatible_ops__`) is made once per process and kept, edits included."""
+    choose_accelerator()
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return  # no such op elsewhere: the table is not even made
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHM_COMM] = False
+
+
 def jit_ops(offload_optimizer: bool) -> list[str]:
-    """The names of the ops a ZeRO launch here makes DeepSpeed build at run time: those its accelerator
-    has and DeepSpeed was not installed with (DS_BUILD_OPS=1 builds them at install)."""
+    """The names of the ops a ZeRO launch here makes DeepSpeed build at run time: those it needs
+    (`deepspeed_shm_comm` never: `skip_unused_ops`) that its accelerator has and DeepSpeed was not installed
+    with (DS_BUILD_OPS=1 builds them at install)."""
     choose_accelerator()
     from deepspeed.accelerator import get_accelerator
     from deepspeed.git_version_info import accelerator_name, installed_ops
 
     accel = get_accelerator()
-    wanted = (["ShareMemCommBuilder"] if accel.device_name() == "cpu" else []) + (
-        ["CPUAdamBuilder"] if offload_optimizer else [])
+    wanted = ["CPUAdamBuilder"] if offload_optimizer else []
     names = []
     for cls in wanted:
         builder = accel.create_op_builder(cls)

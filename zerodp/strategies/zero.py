@@ -123,6 +123,7 @@ class ZeroStrategy:
     def setup(self, model: nn.Module, ctx: RunContext) -> None:
         deepspeed_ops.choose_accelerator()  # before DeepSpeed is imported
         deepspeed_ops.use_environment_dir()  # before DeepSpeed builds anything
+        deepspeed_ops.skip_unused_ops()  # before its first init_distributed
         import deepspeed
         from deepspeed.accelerator import get_accelerator
 
@@ -136,7 +137,7 @@ class ZeroStrategy:
             raise UserError(f"train.precision=fp16: DeepSpeed's {accel.device_name()} accelerator has no fp16 "
                             f"support; use train.precision=bf16 (or fp32) here, or run {self.name} on GPUs")
         if ctx.rank == 0 and (line := deepspeed_ops.build_line(ctx.cfg.strategy.offload_optimizer)):
-            print(f"zerodp: {line}", file=sys.stderr, flush=True)  # else 25-70 s of silence
+            print(f"zerodp: {line}", file=sys.stderr, flush=True)  # else a minute of silence
         # DeepSpeed asserts the launcher's variables exist; a plain one-process run has none.
         for var, value in (("LOCAL_RANK", ctx.local_rank), ("RANK", ctx.rank), ("WORLD_SIZE", ctx.world_size)):
             os.environ.setdefault(var, str(value))

@@ -16,7 +16,10 @@ step left out with `make -o`): it is the command that trains `runs/tiny`, which 
 In the copy, configs/tiny.yaml (the quick start's config) trains a tenth of its steps, with its
 evaluations and checkpoints a tenth as far apart (`SHORTER`): every part of the run (warm-up, both
 evaluations, both checkpoints and the retention, the end-of-run sample and summary) still runs, and a
-later command reads a run complete at its last step as it would at 500, in a tenth of the time.
+later command reads a run complete at its last step as it would at 500, in a tenth of the time. The
+walk-through's own run and evaluation are shortened the same way in the copy's README (`SHORTER_README`:
+20 of its 60 steps with the evaluation at the last one, as written; `zerodp eval` on 20,000 of its 100,000
+tokens): the commands after them read the same kinds of folders.
 The counts below pin what runs and what each rule leaves out, so that a rule that starts to skip more
 (or a README that loses its commands) fails here. `pytest -s` prints each command's seconds: most of
 the time is make quickstart's steps and the walk-through's training and `zerodp eval`.
@@ -51,6 +54,9 @@ HEREDOC = re.compile(r"<<-?\s*(['\"]?)(\w+)\1")
 # configs/tiny.yaml's lines that the copy shortens by 10: the quick start's steps, and its evaluations and
 # checkpoints, 2 each as in the shipped config.
 SHORTER = {"max_steps: 500": "max_steps: 50", "eval_every: 250": "eval_every: 25", "every: 250": "every: 25"}
+# The README's words that the copy shortens: the walk-through's training run and its `zerodp eval`.
+SHORTER_README = {"train.max_steps=60 train.eval_every=60": "train.max_steps=20 train.eval_every=20",
+                  "--max-tokens 100000": "--max-tokens 20000"}
 
 
 @dataclass
@@ -168,6 +174,15 @@ def shorten_quickstart(config: Path) -> None:
     config.write_text(text, encoding="utf-8")
 
 
+def shorten_walkthrough(readme: Path) -> None:
+    """SHORTER_README's words of the copy's README, each found once, replaced."""
+    text = readme.read_text(encoding="utf-8")
+    for old, new in SHORTER_README.items():
+        assert text.count(old) == 1, f"README.md: expected '{old}' once (update SHORTER_README)"
+        text = text.replace(old, new)
+    readme.write_text(text, encoding="utf-8")
+
+
 def argv_of(c: Command) -> tuple[list[str], str | None]:
     """How `c` runs: the argv and its stdin."""
     if c.kind == "python":
@@ -188,6 +203,7 @@ def argv_of(c: Command) -> tuple[list[str], str | None]:
 def test_readme_commands_run_in_order_in_a_fresh_copy(tmp_path):
     copy = fresh_copy(tmp_path / "zerodp")
     shorten_quickstart(copy / "configs" / "tiny.yaml")
+    shorten_walkthrough(copy / "README.md")
     env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", PYTHONPATH=str(copy))
     r = subprocess.run(["python", "-c", "import zerodp; print(zerodp.__file__)"], cwd=copy, env=env,
                        capture_output=True, text=True, check=True)

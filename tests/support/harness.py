@@ -139,6 +139,14 @@ def _environ_of(world_size: int) -> dict:
     """What a world's ranks would be started with now, less the port (each world has its own)."""
     env = base_env(world_size, port=1)
     env.pop("MASTER_PORT")
+    # Set in this process by others, not by a test: pytest names each test's every phase here, and torch's
+    # inductor writes its default cache folder here the first time it looks it up (the folder a rank
+    # computes for itself). Compared, each would start every world anew at every test.
+    env.pop("PYTEST_CURRENT_TEST", None)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if env.get("TORCHINDUCTOR_CACHE_DIR") == os.path.abspath(default_cache_dir()):
+        env.pop("TORCHINDUCTOR_CACHE_DIR")
     return env
 
 

@@ -3,6 +3,8 @@ background writer), and start from weights."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -102,15 +104,27 @@ def test_init_from_pretrained_weights_under_sharding(tiny, tmp_path, single_runs
     assert got["losses"][0] == pytest.approx(want, abs=1e-5)
 
 
+def refused(overrides: list[str]) -> str:
+    """Runs on every rank: train per `overrides`; the message of the UserError the run is refused with
+    (returned, not raised: a rank that raises ends its kept world, which later tests would start anew)."""
+    from zerodp.errors import UserError
+    from zerodp.trainer.loop import train
+
+    try:
+        train(load_config(None, overrides), fresh=True)
+    except UserError as e:
+        return str(e)
+    return "no error"
+
+
 def test_init_from_mismatched_model_is_a_clear_error(tiny, tmp_path, single_runs):
     over = base(tiny)
     weights = single_runs[0] / "a" / "checkpoints" / "step_00000003" / "model.safetensors"
-    with pytest.raises(RuntimeError, match=r"holds a different model than this config \(28 have another shape \(e.g. "
-                                           r"transformer.wte.weight is \[256, 32\] there, \[256, 64\] here\)\); "
-                                           r"set the model section to the checkpoint's dimensions"):
-        run_distributed("tests.support.workers:train_runs", 1, {"runs": [
-            {"overrides": over + ["model.n_embd=64", "strategy.name=single", f"model.init_from={weights}",
-                                  f"train.out_dir={tmp_path / 'b'}"]}]})
+    (message,) = run_distributed("tests.distributed.test_portable:refused", 1, {"overrides": over + [
+        "model.n_embd=64", "strategy.name=single", f"model.init_from={weights}", f"train.out_dir={tmp_path / 'b'}"]})
+    assert re.search(r"holds a different model than this config \(28 have another shape \(e.g. "
+                     r"transformer.wte.weight is \[256, 32\] there, \[256, 64\] here\)\); "
+                     r"set the model section to the checkpoint's dimensions", message), message
 
 
 def test_init_from_hugging_face_gpt2_layout(tiny, single_runs):

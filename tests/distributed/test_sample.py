@@ -145,16 +145,25 @@ BF16_RUNS = [SMALL + ["train.precision=bf16", "train.global_batch_size=4", f"str
 
 @pytest.fixture(scope="module")
 def sampled_on_2_ranks():
-    """The fp32 runs (3 steps each) and the bf16 runs (2 steps each) in one launch of 2 ranks:
-    (fp32 per-rank results, bf16 per-rank results)."""
-    results = run_distributed("tests.distributed.test_sample:sample_after_training", world_size=2, kwargs={
-        "runs": FP32_RUNS + BF16_RUNS, "steps": [3] * len(FP32_RUNS) + [2] * len(BF16_RUNS)})
+    """One launch of 2 ranks started for it (a launch that measures its own processes' memory): first the
+    memory runs (MEMORY_RUNS, each rank's resident-set growth, with glibc's mmap threshold at 1 MiB: see
+    test_sampling_a_sharded_model_needs_no_more_memory_than_training), then the fp32 runs (3 steps each)
+    and the bf16 runs (2 steps each). (memory per-rank results, fp32 per-rank results, bf16 per-rank
+    results)."""
+    with pytest.MonkeyPatch.context() as mp:
+        # glibc keeps freed chunks below its mmap threshold in its heap; at 1 MiB RSS follows live tensors.
+        mp.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))
+        results = run_distributed("tests.support.workers:several", world_size=2, kwargs={"calls": [
+            {"target": "tests.distributed.test_sample:sample_memory", "kwargs": {"runs": list(MEMORY_RUNS.values())}},
+            {"target": "tests.distributed.test_sample:sample_after_training",
+             "kwargs": {"runs": FP32_RUNS + BF16_RUNS, "steps": [3] * len(FP32_RUNS) + [2] * len(BF16_RUNS)}}]},
+            fresh=True)
     n = len(FP32_RUNS)
-    return [r[:n] for r in results], [r[n:] for r in results]
+    return [r[0] for r in results], [r[1][:n] for r in results], [r[1][n:] for r in results]
 
 
 def test_sample_through_every_strategy_equals_generate_on_full_weights(sampled_on_2_ranks):
-    _check_against_reference(FP32_RUNS, sampled_on_2_ranks[0])
+    _check_against_reference(FP32_RUNS, sampled_on_2_ranks[1])
 
 
 def test_sample_on_one_process_equals_generate():
@@ -167,7 +176,7 @@ def test_sample_on_one_process_equals_generate():
 def test_sample_in_bf16_agrees_on_every_rank(sampled_on_2_ranks):
     """16-bit compute (autocast for ddp, the engine's bf16 weights, FSDP's mixed precision): the ranks
     stay in lockstep and print the same sample, of the requested length."""
-    runs, results = BF16_RUNS, sampled_on_2_ranks[1]
+    runs, results = BF16_RUNS, sampled_on_2_ranks[2]
     for i, overrides in enumerate(runs):
         a, b = results[0][i], results[1][i]
         assert a["tokens"] == b["tokens"] and a["text"] == b["text"], overrides
@@ -183,18 +192,18 @@ BIG = ["model.n_layer=12", "model.n_embd=384", "model.n_head=6", "model.vocab_si
 # prefetching) each block's parameters are freed after its forward, as fsdp frees them.
 RELEASING = ["strategy.deepspeed.zero_optimization.stage3_max_reuse_distance=0",
              "strategy.deepspeed.zero_optimization.stage3_prefetch_bucket_size=0"]
+MEMORY_RUNS = {"fsdp": BIG + ["strategy.name=fsdp"],
+               "zero3 (block by block)": BIG + ["strategy.name=zero3"] + RELEASING,
+               "zero3": BIG + ["strategy.name=zero3"]}
 
 
-def test_sampling_a_sharded_model_needs_no_more_memory_than_training(monkeypatch):
-    # glibc keeps freed chunks below its mmap threshold in its heap; at 1 MiB RSS follows live tensors.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))
+def test_sampling_a_sharded_model_needs_no_more_memory_than_training(sampled_on_2_ranks):
+    """Measured first in the fixture's launch, on ranks started for it, as a launch of its own would."""
     from zerodp.models import param_count
 
-    runs = {"fsdp": BIG + ["strategy.name=fsdp"], "zero3 (block by block)": BIG + ["strategy.name=zero3"] + RELEASING,
-            "zero3": BIG + ["strategy.name=zero3"]}
+    runs = MEMORY_RUNS
     fp32 = 4 * param_count(load_config(None, runs["fsdp"]).model)
-    results = run_distributed("tests.distributed.test_sample:sample_memory", world_size=2,
-                              kwargs={"runs": list(runs.values())}, fresh=True)
+    results = sampled_on_2_ranks[0]
     for i, name in enumerate(runs):
         a, b = results[0][i], results[1][i]
         figures = ", ".join(f"rank {r}: {res[i]['sample'] / MB:,.0f} MB = {res[i]['sample'] / fp32:.2f} x "

@@ -135,10 +135,18 @@ class _RendezvousFlake(RuntimeError):
     pass
 
 
+# Set in this process by pytest (the running test's name: a world started anew for every test) and by torch
+# itself (its caches' folder, found the same way in every process; whether CUDA was checked through NVML):
+# no setting of a test's, so no reason to start a world anew.
+_NOT_SETTINGS = ("MASTER_PORT", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
+
+
 def _environ_of(world_size: int) -> dict:
-    """What a world's ranks would be started with now, less the port (each world has its own)."""
+    """What a world's ranks would be started with now, less the port (each world has its own) and what pytest
+    and torch set in this process (_NOT_SETTINGS)."""
     env = base_env(world_size, port=1)
-    env.pop("MASTER_PORT")
+    for key in _NOT_SETTINGS:
+        env.pop(key, None)
     return env
 
 

@@ -57,12 +57,13 @@ def run(run4, tmp_path):
 # -- 2. resuming into a changed model ------------------------------------------------------------------
 
 @pytest.mark.parametrize("change, named", [
-    ("model.n_layer=3", r"model.n_layer=2 there, 3 here"),
     ("model.n_layer=1", r"model.n_layer=2 there, 1 here"),
     ("model.n_embd=64", r"model.n_embd=32 there, 64 here"),
 ])
 def test_resuming_into_another_model_is_refused_and_writes_nothing(run, change, named):
-    """Item 2: the run folder is left exactly as it was, and the line names the key and the way out."""
+    """Item 2: the run folder is left exactly as it was, and the line names the key and the way out. A
+    deeper model (model.n_layer=3) is the same launch as test_launch_and_dry_run_share_their_start_up_checks'
+    another-model case, which pins the same line and the same untouched folder."""
     before = snapshot(run)
     r = train(run, "train.max_steps=6", change, check=False)
     one_line_error(r, named + r".*--fresh .*another train.out_dir")
@@ -154,26 +155,38 @@ def test_first_ctrl_c_saves_and_exits_130_second_stops_at_once(tmp_path):
     assert not (tmp_path / "slow" / "checkpoints" / "latest").exists()
 
 
-def test_ctrl_c_under_torchrun_saves_on_every_rank(tmp_path):
-    """Item 4: a terminal's Ctrl-C reaches torchrun and both ranks; torchrun forwards it to the ranks
-    again at once (the same Ctrl-C, not a second one). Both ranks finish the step and save together."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def ctrl_c_under_torchrun(tmp_path_factory) -> tuple[Path, str]:
+    """One plain torchrun launch of 2 ranks under zero2, a line every 3 steps and a validation every 6, ended
+    by a terminal's Ctrl-C after step 6's records: (train.out_dir, the ranks' stderr: all of it before
+    torchrun's own SignalException traceback, which plain torchrun adds after the ranks have left)."""
+    out = tmp_path_factory.mktemp("torchrun") / "run"
     env = base_env(2)
     for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
         env.pop(k)
-    over = [a.replace("strategy.name=single", "strategy.name=ddp") for a in SMALL]
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-           f"127.0.0.1:{env['MASTER_PORT'] if 'MASTER_PORT' in env else _port()}", "-m", "zerodp", "train",
-           str(ROOT / "configs/tiny.yaml"), *over, f"train.out_dir={out}", "train.max_steps=100000"]
+    over = [a.replace("strategy.name=single", "strategy.name=zero2") for a in SMALL]
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+           "-m", "zerodp", "train", str(ROOT / "configs/tiny.yaml"), *over, f"train.out_dir={out}",
+           "train.max_steps=100000", "train.log_every=3", "train.eval_every=6"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        _wait_for_step(proc, out)
+        _wait_for_step(proc, out, step=6)
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    assert err.count("Traceback (most recent call last):") == 1, err
+    ranks, traceback = err.split("Traceback (most recent call last):")
+    assert "SignalException: Process" in traceback, err  # torchrun's, not a rank's
+    return out, ranks
+
+
+def test_ctrl_c_under_torchrun_saves_on_every_rank(ctrl_c_under_torchrun):
+    """Item 4: a terminal's Ctrl-C reaches torchrun and both ranks; torchrun forwards it to the ranks
+    again at once (the same Ctrl-C, not a second one). Both ranks finish the step and save together."""
+    out, err = ctrl_c_under_torchrun
     done = int(re.search(r"Ctrl-C: stopped after step (\d+), checkpoint saved", err).group(1))
     from zerodp.checkpoint import store as checkpoint
 
@@ -235,8 +248,8 @@ def _bad_out_dir(run: Path, tmp: Path) -> list[str]:
 @pytest.mark.parametrize("bad, pattern", [
     (lambda run, tmp: ["data.source=/nonexistent/corpus.txt"], r"data.source '/nonexistent/corpus.txt' not found"),
     (lambda run, tmp: ["model.init_from=/nonexistent/ckpt"], r"model.init_from /nonexistent/ckpt does not exist"),
-    (lambda run, tmp: [f"train.out_dir={run}", "model.n_layer=3"],
-     r"holds a different model than this config \(model.n_layer=2 there, 3 here\)"),
+    (lambda run, tmp: [f"train.out_dir={run}", "model.n_layer=3"],  # item 2 too: the way out is named
+     r"holds a different model than this config \(model.n_layer=2 there, 3 here\).*--fresh .*another train.out_dir"),
     (_bad_out_dir, r"train.out_dir \S+/file is not writable \(File exists\); choose a directory you can write to"),
     (lambda run, tmp: ["strategy.name=zero2", "strategy.offload_params=true"],
      r"offload_params=true needs parameter sharding"),
@@ -328,21 +341,17 @@ def test_weights_only_and_damaged_only_resumes_are_said(run, tmp_path):
 
 # -- 12. the console ------------------------------------------------------------------------------------------------
 
-def test_console_without_progress_bar(tmp_path):
-    """Item 12: a line per log interval, val_loss on screen, the state line after the first step, the
-    summary in words, and none of torch's or DeepSpeed's FutureWarnings."""
-    env = base_env(2)
-    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
-        env.pop(k)
-    over = [a.replace("strategy.name=single", "strategy.name=zero2") for a in SMALL]
-    r = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "-m", "zerodp", "train", "configs/tiny.yaml", *over,
-                        f"train.out_dir={tmp_path}", "train.max_steps=6", "train.log_every=3", "train.eval_every=6"],
-                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    err = r.stderr
-    assert re.search(r"zerodp: step 3/6: loss \d+\.\d{4}, lr .*, grad_norm .*, [\d,]+ tokens/s", err), err
-    assert re.search(r"zerodp: step 6/6: loss", err) and re.search(r"zerodp: step 6: val_loss \d+\.\d{4}", err)
+def test_console_without_progress_bar(ctrl_c_under_torchrun):
+    """Item 12: a line per log interval (the last one at the step the run stopped), val_loss on screen, the
+    state line after the first step, the summary in words, and none of torch's or DeepSpeed's
+    FutureWarnings. The launch is the Ctrl-C test's: the summary is said after a Ctrl-C too."""
+    _, err = ctrl_c_under_torchrun
+    done = re.search(r"Ctrl-C: stopped after step (\d+)", err).group(1)
+    assert re.search(r"zerodp: step 3/100000: loss \d+\.\d{4}, lr .*, grad_norm .*, [\d,]+ tokens/s", err), err
+    assert re.search(rf"zerodp: step {done}/100000: loss", err), err
+    assert re.search(r"zerodp: step 6: val_loss \d+\.\d{4}", err), err
     assert re.search(r"rank 0 holds after the first step: params [\d.]+ MiB.*optim (?!0\.0 )[\d.]+ MiB", err), err
+    assert re.search(r"zerodp: run: \d+ steps; ", err), err
     assert "FutureWarning" not in err
     assert "{" not in err  # no raw Python dict in the summary
 

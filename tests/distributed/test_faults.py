@@ -129,7 +129,8 @@ def test_sigterm_and_sigusr1_finish_the_step_save_and_exit(tiny, tmp_path):
         finally:
             preemption.restore()
     out = tmp_path / "run"
-    agent = torchrun(small(tiny, out, steps=500, every=0) + ["train.progress=false"], restarts=0)
+    # train.log_every=3: the ranks share the signal at every 3rd step, so it stops the run after step 6
+    agent = torchrun(small(tiny, out, steps=500, every=0) + ["train.progress=false", "train.log_every=3"], restarts=0)
     deadline = time.monotonic() + 240
     while metric_lines(out) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -72,7 +72,9 @@ def test_resuming_into_another_model_is_refused_and_writes_nothing(run, change, 
 
 def test_init_from_another_model_is_refused(run, tmp_path):
     """Item 2: model.init_from of a 2-layer checkpoint into a 1-layer model no longer loads a subset;
-    a foreign file without zerodp's config (safetensors export) is compared by names and shapes."""
+    a foreign file without zerodp's config (safetensors export) is compared by names and shapes. The
+    launch that loads it is item 10's start over from a run whose only checkpoint is damaged: one line says
+    both."""
     ckpt = run / "checkpoints" / "step_00000004"
     r = train(tmp_path / "new", "train.max_steps=1", "model.n_layer=1", f"model.init_from={ckpt}", check=False)
     one_line_error(r, r"model.init_from .*step_00000004 holds a different model .*model.n_layer=2 there, 1 here")
@@ -85,7 +87,12 @@ def test_init_from_another_model_is_refused(run, tmp_path):
     r = train(tmp_path / "new2", "train.max_steps=1", "model.n_layer=1", f"model.init_from={md}", check=False)
     one_line_error(r, r"parameters there are not in this model \(e.g. transformer.h.1.")
     assert not (tmp_path / "new2" / "checkpoints").exists()
-    r = train(tmp_path / "new3", "train.max_steps=1", f"model.init_from={md}")
+    shutil.rmtree(run / "checkpoints" / "step_00000002")
+    victim = run / "checkpoints" / "step_00000004" / "model.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-8])
+    r = train(run, "train.max_steps=1", f"model.init_from={md}")
+    assert re.search(r"no intact checkpoint in .*checkpoints \(1 damaged, set aside\): starting over from step 0",
+                     r.stderr), r.stderr  # item 10
     assert f"weights from {md} (model.init_from)" in r.stderr
 
 
@@ -218,8 +225,10 @@ def test_config_error_under_torchrun_is_one_line_every_time():
     for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
         env.pop(k)
     for _ in range(3):
-        r = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "-m", "zerodp", "train", "configs/tiny.yaml",
-                            "train.max_stepz=3"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        # a free port, not torchrun's default 29500, which another launch on this machine may hold
+        r = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_port()), "-m", "zerodp", "train",
+                            "configs/tiny.yaml", "train.max_stepz=3"], env=env, cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
         assert r.returncode != 0
         assert r.stderr.count("zerodp: error: unknown key 'train.max_stepz'") == 1, r.stderr
 
@@ -322,21 +331,15 @@ def test_dry_run_lists_what_you_set_apart_from_what_was_resolved(tmp_path):
 
 # -- 10. say when the optimizer or the whole run starts over -------------------------------------------------------
 
-def test_weights_only_and_damaged_only_resumes_are_said(run, tmp_path):
-    """Item 10: one line each for a fresh AdamW after a weights-only checkpoint, and for starting over
-    because the only checkpoint is damaged."""
+def test_weights_only_resume_is_said(run, tmp_path):
+    """Item 10: a line for a fresh AdamW after a weights-only checkpoint. The line for starting over because
+    the only checkpoint is damaged: test_init_from_another_model_is_refused's last launch."""
     imported = tmp_path / "imported"
     weights = run / "checkpoints" / "step_00000004" / "model.safetensors"
     assert zerodp_here("convert", weights, imported / "checkpoints" / "step_00000004", "--to", "zerodp", "--step", "4",
                   "--no-progress").returncode == 0  # a safetensors file records no step: --step names it
     r = train(imported, "train.max_steps=5")
     assert "holds weights only, no AdamW moments: AdamW starts fresh" in r.stderr, r.stderr
-    shutil.rmtree(run / "checkpoints" / "step_00000002")
-    victim = run / "checkpoints" / "step_00000004" / "model.safetensors"
-    victim.write_bytes(victim.read_bytes()[:-8])
-    r = train(run, "train.max_steps=1")
-    assert re.search(r"no intact checkpoint in .*checkpoints \(1 damaged, set aside\): starting over from step 0",
-                     r.stderr), r.stderr
 
 
 # -- 12. the console ------------------------------------------------------------------------------------------------

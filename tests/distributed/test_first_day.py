@@ -40,17 +40,18 @@ def snapshot(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run4(tmp_path_factory):
-    """A finished 4-step run of a 2-layer model, checkpoints at steps 2 and 4 (copied per test)."""
-    out = tmp_path_factory.mktemp("run4") / "run"
-    train(out, "train.max_steps=4", "checkpoint.every=2")
+def run5(tmp_path_factory):
+    """A finished 5-step run of a 2-layer model, checkpoints at step 4 (checkpoint.every=4) and step 5 (the
+    end, off that grid), checkpoint.keep_last=2 (copied per test)."""
+    out = tmp_path_factory.mktemp("run5") / "run"
+    train(out, "train.max_steps=5", "checkpoint.every=4", "checkpoint.keep_last=2")
     return out
 
 
 @pytest.fixture
-def run(run4, tmp_path):
+def run(run5, tmp_path):
     out = tmp_path / "run"
-    shutil.copytree(run4, out)
+    shutil.copytree(run5, out)
     return out
 
 
@@ -87,8 +88,8 @@ def test_init_from_another_model_is_refused(run, tmp_path):
     r = train(tmp_path / "new2", "train.max_steps=1", "model.n_layer=1", f"model.init_from={md}", check=False)
     one_line_error(r, r"parameters there are not in this model \(e.g. transformer.h.1.")
     assert not (tmp_path / "new2" / "checkpoints").exists()
-    shutil.rmtree(run / "checkpoints" / "step_00000002")
-    victim = run / "checkpoints" / "step_00000004" / "model.safetensors"
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    victim = run / "checkpoints" / "step_00000005" / "model.safetensors"
     victim.write_bytes(victim.read_bytes()[:-8])
     r = train(run, "train.max_steps=1", f"model.init_from={md}")
     assert re.search(r"no intact checkpoint in .*checkpoints \(1 damaged, set aside\): starting over from step 0",
@@ -98,15 +99,14 @@ def test_init_from_another_model_is_refused(run, tmp_path):
 
 # -- 3. retention counts intact checkpoints only -----------------------------------------------------------
 
-def test_damaged_checkpoint_is_set_aside_and_keep_last_counts_intact_ones(tmp_path):
+def test_damaged_checkpoint_is_set_aside_and_keep_last_counts_intact_ones(run):
     """Item 3: step 5 (saved at the end, off the every-4 grid) is damaged; resuming from step 4 and saving
     at 8 with keep_last=2 must keep steps 4 and 8 (before: step 4 was deleted, leaving the damaged 5)."""
-    out = tmp_path / "run"
-    train(out, "train.max_steps=5", "checkpoint.every=4", "checkpoint.keep_last=2")
-    root = out / "checkpoints"
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000005"]
     victim = root / "step_00000005" / "model.safetensors"
     victim.write_bytes(victim.read_bytes()[:-8])  # truncated
-    r = train(out, "train.max_steps=8", "checkpoint.every=4", "checkpoint.keep_last=2")
+    r = train(run, "train.max_steps=8", "checkpoint.every=4", "checkpoint.keep_last=2")
     assert r.stderr.count("step_00000005 is damaged") == 1, r.stderr
     names = sorted(p.name for p in root.iterdir())
     assert names == ["latest", "step_00000004", "step_00000005.damaged", "step_00000008"], names
@@ -303,7 +303,7 @@ def test_dry_run_says_where_the_run_would_start(run):
     r = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=6",
                     "--dry-run")
     assert r.returncode == 0, r.stderr
-    assert f"# resuming from {run}/checkpoints/step_00000004 at step 4 (saved by single on 1 process(es))" in r.stdout
+    assert f"# resuming from {run}/checkpoints/step_00000005 at step 5 (saved by single on 1 process(es))" in r.stdout
     assert "train.max_steps=6" in r.stdout.split("# set by you, unlike the defaults")[1]  # item 14
     r = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "--dry-run", "--fresh")
     assert "# --fresh: starting from step 0" in r.stdout

@@ -52,50 +52,96 @@ def final_weights(out: Path) -> dict:
     return load_file(out / "checkpoints" / latest / "model.safetensors")
 
 
+# A finished run exits 0 on every rank, every time: gloo threads still finishing their last collective
+# while Python shuts down used to abort about one launch in five ("terminate called without an active
+# exception", exit -6). CLEAN_EXITS finished two-rank launches are checked for it in every run of this
+# file: the SIGKILL launch's last generation, the SIGTERM/SIGUSR1 launch, the two-node launch, the
+# srun-style pair, and the rest in test_ranks_exit_cleanly_after_success_and_after_a_shared_error.
+CLEAN_EXITS = 5
+CLEAN_EXIT_BROKEN = "terminate called"
+
+
+def started(log: str) -> int:
+    """How often the workers started: resuming from the newest checkpoint, or from step 0 where no save was
+    complete yet (a kill mid-save leaves no checkpoint behind)."""
+    return log.count("resuming from") + log.count("no checkpoint in")
+
+
+def kill_a_worker(agent: subprocess.Popen, out: Path, after: int, delay: float, rng: random.Random,
+                  spare: set[int]) -> set[int]:
+    """SIGKILL one of the agent's workers (none of `spare`, an earlier generation's) `delay` s after
+    metrics.jsonl holds `after` records; return the generation's pids."""
+    deadline = time.monotonic() + 240
+    while metric_lines(out) < after and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(delay)  # lands mid-step or mid-save
+    victims = workers_of(agent)
+    assert victims and not spare & set(victims), f"no workers to kill after {after} steps: the run finished too early"
+    os.kill(rng.choice(victims), signal.SIGKILL)
+    return set(victims)
+
+
 def test_sigkill_at_random_moments_restarts_bit_identical(tiny, tmp_path):
-    steps = 16  # kills land by step 10: at least 6 steps (and 3 saves) remain, so the kill always finds workers
+    """One torchrun launch, a worker SIGKILLed at two random moments (seeded): after step 1-6, and 1-4 steps
+    after the restarted workers' first records. Both restarts resume (--max-restarts 3) and the final
+    weights equal an uninterrupted run's, bit for bit."""
+    steps = 20  # the second kill lands by step 14: 6 steps (and 3 saves) remain, so it always finds workers
     reference = tmp_path / "uninterrupted"
     run_distributed("tests.support.workers:train_runs", 2, {"runs": [{"overrides": small(tiny, reference, steps)}]})
     want = final_weights(reference)
     rng = random.Random(int(os.environ.get("ZERODP_FAULT_SEED", "1234")))
-    for trial in range(3):
-        out = tmp_path / f"trial{trial}"
-        kill_after, delay = rng.randint(1, steps - 6), rng.uniform(0.0, 0.2)
-        agent = torchrun(small(tiny, out, steps) + ["train.progress=false"])
-        deadline = time.monotonic() + 240
-        while metric_lines(out) < kill_after and agent.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(delay)  # lands mid-step or mid-save
-        victims = workers_of(agent)
-        assert victims, "no workers to kill: the run finished too early"
-        victim = rng.choice(victims)
-        os.kill(victim, signal.SIGKILL)
-        log = agent.communicate(timeout=300)[0].decode(errors="replace")
-        assert agent.returncode == 0, log[-3000:]
-        # The workers started twice: resuming from the newest checkpoint, or from step 0 where the kill
-        # landed before the first save was complete (a kill mid-save leaves no checkpoint behind).
-        starts = log.count("resuming from") + log.count("no checkpoint in")
-        assert starts >= 2, f"trial {trial}: no restart seen\n{log[-3000:]}"
-        got = final_weights(out)
-        assert got.keys() == want.keys()
-        for name in want:
-            assert (got[name] == want[name]).all(), f"trial {trial} (kill after {kill_after} steps): {name} differs"
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in records] == list(range(1, steps + 1))
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_sigterm_finishes_the_step_saves_and_exits(tiny, tmp_path, sig):
     out = tmp_path / "run"
-    agent = torchrun(small(tiny, out, steps=500, every=0) + ["train.progress=false"], restarts=0)
+    agent = torchrun(small(tiny, out, steps) + ["train.progress=false"])
+    kills = [rng.randint(1, 6), rng.uniform(0.0, 0.2), rng.randint(1, 4), rng.uniform(0.0, 0.2)]
+    first = kill_a_worker(agent, out, kills[0], kills[1], rng, set())
+    deadline = time.monotonic() + 240
+    while not (set(workers_of(agent)) - first) and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # the agent restarts the workers once the first generation is gone
+    # the first generation can write no more: a record past those it left is the second's
+    kill_a_worker(agent, out, metric_lines(out) + kills[2], kills[3], rng, first)
+    log = agent.communicate(timeout=300)[0].decode(errors="replace")
+    assert agent.returncode == 0, log[-3000:]
+    assert started(log) >= 3, f"kills {kills}: not two restarts\n{log[-3000:]}"
+    got = final_weights(out)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert (got[name] == want[name]).all(), f"kills {kills}: {name} differs"
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    # the last generation's output (the earlier ones died by the kills): one of the CLEAN_EXITS launches
+    last = max(log.rfind("resuming from"), log.rfind("no checkpoint in"))
+    assert CLEAN_EXIT_BROKEN not in log[last:], log[last:]
+
+
+def test_sigterm_and_sigusr1_finish_the_step_save_and_exit(tiny, tmp_path):
+    """Either signal, as a scheduler sends it to every rank, stops the run after the same step on every
+    rank with a checkpoint and exit 0. One launch: one rank gets SIGTERM, the other SIGUSR1 (a rank
+    without a SIGUSR1 handler dies of it, and the launch fails); that each of the two alone asks for the
+    stop (Preemption.request_code 1: exit 0 after the checkpoint) is checked in this process."""
+    from zerodp.resilience.preemption import Preemption
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        preemption = Preemption(grace_s=1e9, announce=False)
+        try:
+            os.kill(os.getpid(), sig)
+            time.sleep(0.01)  # the handler runs at the next bytecode of the main thread
+            assert preemption.request_code == 1.0 and preemption.signal_name == sig.name
+        finally:
+            preemption.restore()
+    out = tmp_path / "run"
+    # train.log_every=3: the ranks share the signal at every 3rd step, so it stops the run after step 6
+    agent = torchrun(small(tiny, out, steps=500, every=0) + ["train.progress=false", "train.log_every=3"], restarts=0)
     deadline = time.monotonic() + 240
     while metric_lines(out) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    for pid in workers_of(agent):  # as a scheduler would: every rank gets the signal
+    workers = sorted(workers_of(agent))
+    assert len(workers) == 2, workers
+    for pid, sig in zip(workers, (signal.SIGTERM, signal.SIGUSR1)):
         os.kill(pid, sig)
     log = agent.communicate(timeout=120)[0].decode(errors="replace")
     assert agent.returncode == 0, log[-3000:]
     assert "preempted: stopped after step" in log
+    assert CLEAN_EXIT_BROKEN not in log, log  # one of the CLEAN_EXITS launches
     latest = (out / "checkpoints" / "latest").read_text().strip()
     step = int(latest.split("_")[1])
     assert 3 <= step < 500
@@ -157,14 +203,6 @@ def test_slow_device_is_found_where_the_forward_gathers_parameters(slowed, strat
     assert all(s["cause"] == "slow compute" and s["measured_by"] == "device probe" for s in found)
 
 
-# A finished run exits 0 on every rank, every time: gloo threads still finishing their last collective
-# while Python shuts down used to abort about one launch in five ("terminate called without an active
-# exception", exit -6). CLEAN_EXITS finished two-rank launches are checked for it in every run of this
-# file: the two-node launch, the srun-style pair, and the rest in the test below.
-CLEAN_EXITS = 5
-CLEAN_EXIT_BROKEN = "terminate called"
-
-
 def test_two_nodes_on_loopback_train_like_one_process(tiny, tmp_path):
     """torchrun --nnodes 2 with separate node ranks on 127.0.0.1 follows the single-process losses."""
     from tests.support.reference import reference_run
@@ -218,10 +256,10 @@ def launch_pair(cmd: list[str]) -> list[subprocess.CompletedProcess]:
 
 
 def test_ranks_exit_cleanly_after_success_and_after_a_shared_error(tiny, tmp_path):
-    """A finished run exits 0 on every rank (CLEAN_EXITS launches, two of them in the tests above). An
+    """A finished run exits 0 on every rank (CLEAN_EXITS launches, four of them in the tests above). An
     input error found after the process group is up exits 2 on every rank, with one line from rank 0."""
     train = [sys.executable, "-m", "zerodp", "train", "configs/tiny.yaml"]
-    for attempt in range(CLEAN_EXITS - 2):
+    for attempt in range(CLEAN_EXITS - 4):
         runs = launch_pair(train + small(tiny, tmp_path / str(attempt), steps=1, every=0)
                            + ["train.progress=false", "train.sample_tokens=0"])
         for r in runs:

@@ -40,29 +40,31 @@ def snapshot(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run4(tmp_path_factory):
-    """A finished 4-step run of a 2-layer model, checkpoints at steps 2 and 4 (copied per test)."""
-    out = tmp_path_factory.mktemp("run4") / "run"
-    train(out, "train.max_steps=4", "checkpoint.every=2")
+def run5(tmp_path_factory):
+    """A finished 5-step run of a 2-layer model, checkpoints at step 4 (checkpoint.every=4) and step 5 (the
+    end, off that grid), checkpoint.keep_last=2 (copied per test)."""
+    out = tmp_path_factory.mktemp("run5") / "run"
+    train(out, "train.max_steps=5", "checkpoint.every=4", "checkpoint.keep_last=2")
     return out
 
 
 @pytest.fixture
-def run(run4, tmp_path):
+def run(run5, tmp_path):
     out = tmp_path / "run"
-    shutil.copytree(run4, out)
+    shutil.copytree(run5, out)
     return out
 
 
 # -- 2. resuming into a changed model ------------------------------------------------------------------
 
 @pytest.mark.parametrize("change, named", [
-    ("model.n_layer=3", r"model.n_layer=2 there, 3 here"),
     ("model.n_layer=1", r"model.n_layer=2 there, 1 here"),
     ("model.n_embd=64", r"model.n_embd=32 there, 64 here"),
 ])
 def test_resuming_into_another_model_is_refused_and_writes_nothing(run, change, named):
-    """Item 2: the run folder is left exactly as it was, and the line names the key and the way out."""
+    """Item 2: the run folder is left exactly as it was, and the line names the key and the way out. A
+    deeper model (model.n_layer=3) is the same launch as test_launch_and_dry_run_share_their_start_up_checks'
+    another-model case, which pins the same line and the same untouched folder."""
     before = snapshot(run)
     r = train(run, "train.max_steps=6", change, check=False)
     one_line_error(r, named + r".*--fresh .*another train.out_dir")
@@ -71,7 +73,9 @@ def test_resuming_into_another_model_is_refused_and_writes_nothing(run, change, 
 
 def test_init_from_another_model_is_refused(run, tmp_path):
     """Item 2: model.init_from of a 2-layer checkpoint into a 1-layer model no longer loads a subset;
-    a foreign file without zerodp's config (safetensors export) is compared by names and shapes."""
+    a foreign file without zerodp's config (safetensors export) is compared by names and shapes. The
+    launch that loads it is item 10's start over from a run whose only checkpoint is damaged: one line says
+    both."""
     ckpt = run / "checkpoints" / "step_00000004"
     r = train(tmp_path / "new", "train.max_steps=1", "model.n_layer=1", f"model.init_from={ckpt}", check=False)
     one_line_error(r, r"model.init_from .*step_00000004 holds a different model .*model.n_layer=2 there, 1 here")
@@ -84,21 +88,25 @@ def test_init_from_another_model_is_refused(run, tmp_path):
     r = train(tmp_path / "new2", "train.max_steps=1", "model.n_layer=1", f"model.init_from={md}", check=False)
     one_line_error(r, r"parameters there are not in this model \(e.g. transformer.h.1.")
     assert not (tmp_path / "new2" / "checkpoints").exists()
-    r = train(tmp_path / "new3", "train.max_steps=1", f"model.init_from={md}")
+    shutil.rmtree(run / "checkpoints" / "step_00000004")
+    victim = run / "checkpoints" / "step_00000005" / "model.safetensors"
+    victim.write_bytes(victim.read_bytes()[:-8])
+    r = train(run, "train.max_steps=1", f"model.init_from={md}")
+    assert re.search(r"no intact checkpoint in .*checkpoints \(1 damaged, set aside\): starting over from step 0",
+                     r.stderr), r.stderr  # item 10
     assert f"weights from {md} (model.init_from)" in r.stderr
 
 
 # -- 3. retention counts intact checkpoints only -----------------------------------------------------------
 
-def test_damaged_checkpoint_is_set_aside_and_keep_last_counts_intact_ones(tmp_path):
+def test_damaged_checkpoint_is_set_aside_and_keep_last_counts_intact_ones(run):
     """Item 3: step 5 (saved at the end, off the every-4 grid) is damaged; resuming from step 4 and saving
     at 8 with keep_last=2 must keep steps 4 and 8 (before: step 4 was deleted, leaving the damaged 5)."""
-    out = tmp_path / "run"
-    train(out, "train.max_steps=5", "checkpoint.every=4", "checkpoint.keep_last=2")
-    root = out / "checkpoints"
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000005"]
     victim = root / "step_00000005" / "model.safetensors"
     victim.write_bytes(victim.read_bytes()[:-8])  # truncated
-    r = train(out, "train.max_steps=8", "checkpoint.every=4", "checkpoint.keep_last=2")
+    r = train(run, "train.max_steps=8", "checkpoint.every=4", "checkpoint.keep_last=2")
     assert r.stderr.count("step_00000005 is damaged") == 1, r.stderr
     names = sorted(p.name for p in root.iterdir())
     assert names == ["latest", "step_00000004", "step_00000005.damaged", "step_00000008"], names
@@ -154,26 +162,38 @@ def test_first_ctrl_c_saves_and_exits_130_second_stops_at_once(tmp_path):
     assert not (tmp_path / "slow" / "checkpoints" / "latest").exists()
 
 
-def test_ctrl_c_under_torchrun_saves_on_every_rank(tmp_path):
-    """Item 4: a terminal's Ctrl-C reaches torchrun and both ranks; torchrun forwards it to the ranks
-    again at once (the same Ctrl-C, not a second one). Both ranks finish the step and save together."""
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def ctrl_c_under_torchrun(tmp_path_factory) -> tuple[Path, str]:
+    """One plain torchrun launch of 2 ranks under zero2, a line every 3 steps and a validation every 6, ended
+    by a terminal's Ctrl-C after step 6's records: (train.out_dir, the ranks' stderr: all of it before
+    torchrun's own SignalException traceback, which plain torchrun adds after the ranks have left)."""
+    out = tmp_path_factory.mktemp("torchrun") / "run"
     env = base_env(2)
     for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
         env.pop(k)
-    over = [a.replace("strategy.name=single", "strategy.name=ddp") for a in SMALL]
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-           f"127.0.0.1:{env['MASTER_PORT'] if 'MASTER_PORT' in env else _port()}", "-m", "zerodp", "train",
-           str(ROOT / "configs/tiny.yaml"), *over, f"train.out_dir={out}", "train.max_steps=100000"]
+    over = [a.replace("strategy.name=single", "strategy.name=zero2") for a in SMALL]
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}",
+           "-m", "zerodp", "train", str(ROOT / "configs/tiny.yaml"), *over, f"train.out_dir={out}",
+           "train.max_steps=100000", "train.log_every=3", "train.eval_every=6"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        _wait_for_step(proc, out)
+        _wait_for_step(proc, out, step=6)
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does: the whole foreground group
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    assert err.count("Traceback (most recent call last):") == 1, err
+    ranks, traceback = err.split("Traceback (most recent call last):")
+    assert "SignalException: Process" in traceback, err  # torchrun's, not a rank's
+    return out, ranks
+
+
+def test_ctrl_c_under_torchrun_saves_on_every_rank(ctrl_c_under_torchrun):
+    """Item 4: a terminal's Ctrl-C reaches torchrun and both ranks; torchrun forwards it to the ranks
+    again at once (the same Ctrl-C, not a second one). Both ranks finish the step and save together."""
+    out, err = ctrl_c_under_torchrun
     done = int(re.search(r"Ctrl-C: stopped after step (\d+), checkpoint saved", err).group(1))
     from zerodp.checkpoint import store as checkpoint
 
@@ -205,8 +225,10 @@ def test_config_error_under_torchrun_is_one_line_every_time():
     for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
         env.pop(k)
     for _ in range(3):
-        r = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "-m", "zerodp", "train", "configs/tiny.yaml",
-                            "train.max_stepz=3"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        # a free port, not torchrun's default 29500, which another launch on this machine may hold
+        r = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(_port()), "-m", "zerodp", "train",
+                            "configs/tiny.yaml", "train.max_stepz=3"], env=env, cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
         assert r.returncode != 0
         assert r.stderr.count("zerodp: error: unknown key 'train.max_stepz'") == 1, r.stderr
 
@@ -235,8 +257,8 @@ def _bad_out_dir(run: Path, tmp: Path) -> list[str]:
 @pytest.mark.parametrize("bad, pattern", [
     (lambda run, tmp: ["data.source=/nonexistent/corpus.txt"], r"data.source '/nonexistent/corpus.txt' not found"),
     (lambda run, tmp: ["model.init_from=/nonexistent/ckpt"], r"model.init_from /nonexistent/ckpt does not exist"),
-    (lambda run, tmp: [f"train.out_dir={run}", "model.n_layer=3"],
-     r"holds a different model than this config \(model.n_layer=2 there, 3 here\)"),
+    (lambda run, tmp: [f"train.out_dir={run}", "model.n_layer=3"],  # item 2 too: the way out is named
+     r"holds a different model than this config \(model.n_layer=2 there, 3 here\).*--fresh .*another train.out_dir"),
     (_bad_out_dir, r"train.out_dir \S+/file is not writable \(File exists\); choose a directory you can write to"),
     (lambda run, tmp: ["strategy.name=zero2", "strategy.offload_params=true"],
      r"offload_params=true needs parameter sharding"),
@@ -281,7 +303,7 @@ def test_dry_run_says_where_the_run_would_start(run):
     r = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "train.max_steps=6",
                     "--dry-run")
     assert r.returncode == 0, r.stderr
-    assert f"# resuming from {run}/checkpoints/step_00000004 at step 4 (saved by single on 1 process(es))" in r.stdout
+    assert f"# resuming from {run}/checkpoints/step_00000005 at step 5 (saved by single on 1 process(es))" in r.stdout
     assert "train.max_steps=6" in r.stdout.split("# set by you, unlike the defaults")[1]  # item 14
     r = zerodp_here("train", ROOT / "configs/tiny.yaml", *SMALL, f"train.out_dir={run}", "--dry-run", "--fresh")
     assert "# --fresh: starting from step 0" in r.stdout
@@ -309,40 +331,30 @@ def test_dry_run_lists_what_you_set_apart_from_what_was_resolved(tmp_path):
 
 # -- 10. say when the optimizer or the whole run starts over -------------------------------------------------------
 
-def test_weights_only_and_damaged_only_resumes_are_said(run, tmp_path):
-    """Item 10: one line each for a fresh AdamW after a weights-only checkpoint, and for starting over
-    because the only checkpoint is damaged."""
+def test_weights_only_resume_is_said(run, tmp_path):
+    """Item 10: a line for a fresh AdamW after a weights-only checkpoint. The line for starting over because
+    the only checkpoint is damaged: test_init_from_another_model_is_refused's last launch."""
     imported = tmp_path / "imported"
     weights = run / "checkpoints" / "step_00000004" / "model.safetensors"
     assert zerodp_here("convert", weights, imported / "checkpoints" / "step_00000004", "--to", "zerodp", "--step", "4",
                   "--no-progress").returncode == 0  # a safetensors file records no step: --step names it
     r = train(imported, "train.max_steps=5")
     assert "holds weights only, no AdamW moments: AdamW starts fresh" in r.stderr, r.stderr
-    shutil.rmtree(run / "checkpoints" / "step_00000002")
-    victim = run / "checkpoints" / "step_00000004" / "model.safetensors"
-    victim.write_bytes(victim.read_bytes()[:-8])
-    r = train(run, "train.max_steps=1")
-    assert re.search(r"no intact checkpoint in .*checkpoints \(1 damaged, set aside\): starting over from step 0",
-                     r.stderr), r.stderr
 
 
 # -- 12. the console ------------------------------------------------------------------------------------------------
 
-def test_console_without_progress_bar(tmp_path):
-    """Item 12: a line per log interval, val_loss on screen, the state line after the first step, the
-    summary in words, and none of torch's or DeepSpeed's FutureWarnings."""
-    env = base_env(2)
-    for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
-        env.pop(k)
-    over = [a.replace("strategy.name=single", "strategy.name=zero2") for a in SMALL]
-    r = subprocess.run([TORCHRUN, "--nproc-per-node", "2", "-m", "zerodp", "train", "configs/tiny.yaml", *over,
-                        f"train.out_dir={tmp_path}", "train.max_steps=6", "train.log_every=3", "train.eval_every=6"],
-                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    err = r.stderr
-    assert re.search(r"zerodp: step 3/6: loss \d+\.\d{4}, lr .*, grad_norm .*, [\d,]+ tokens/s", err), err
-    assert re.search(r"zerodp: step 6/6: loss", err) and re.search(r"zerodp: step 6: val_loss \d+\.\d{4}", err)
+def test_console_without_progress_bar(ctrl_c_under_torchrun):
+    """Item 12: a line per log interval (the last one at the step the run stopped), val_loss on screen, the
+    state line after the first step, the summary in words, and none of torch's or DeepSpeed's
+    FutureWarnings. The launch is the Ctrl-C test's: the summary is said after a Ctrl-C too."""
+    _, err = ctrl_c_under_torchrun
+    done = re.search(r"Ctrl-C: stopped after step (\d+)", err).group(1)
+    assert re.search(r"zerodp: step 3/100000: loss \d+\.\d{4}, lr .*, grad_norm .*, [\d,]+ tokens/s", err), err
+    assert re.search(rf"zerodp: step {done}/100000: loss", err), err
+    assert re.search(r"zerodp: step 6: val_loss \d+\.\d{4}", err), err
     assert re.search(r"rank 0 holds after the first step: params [\d.]+ MiB.*optim (?!0\.0 )[\d.]+ MiB", err), err
+    assert re.search(r"zerodp: run: \d+ steps; ", err), err
     assert "FutureWarning" not in err
     assert "{" not in err  # no raw Python dict in the summary
 

@@ -20,9 +20,12 @@ from tests.support.harness import ROOT, base_env, free_port
 from zerodp.distributed import launcher
 
 # The small model of tests/distributed/test_first_day.py, under ddp on the 2 CPU processes of launchers/local.sh.
+# train.log_every=3: the ranks share a signal at every 3rd step (a sync point), so a signal once step 3's
+# records are out stops the run after step 6 (after step 20 with the default 10).
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "data.max_bytes=200000",
          "data.prefetch=0", "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0",
-         "train.sample_tokens=0", "train.progress=false", "strategy.name=ddp", "checkpoint.every=0"]
+         "train.sample_tokens=0", "train.progress=false", "strategy.name=ddp", "checkpoint.every=0",
+         "train.log_every=3"]
 # What plain torchrun adds to the ranks' own account.
 TORCHRUN_NOISE = ("Traceback", "ChildFailedError", "SignalException", "death signal", "closing signal",
                   "exitcode")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli_checks import zerodp_here
 from tests.support.harness import ROOT, base_env
 
 # A Llama of a few thousand parameters: start-up dominates, the steps take milliseconds.
@@ -76,14 +77,16 @@ def test_tensorboard_and_wandb_hold_every_scalar_of_metrics_jsonl(tmp_path):
 
 @pytest.mark.parametrize("package, key, value", [("tensorboard", "train.tensorboard", "true"),
                                                  ("wandb", "train.wandb", "myproject")])
-def test_missing_logger_package_is_one_line_naming_the_install(tmp_path, package, key, value):
-    """The package is made unimportable in the process (as if it were not installed)."""
+def test_missing_logger_package_is_one_line_naming_the_install(tmp_path, package, key, value, monkeypatch):
+    """The package is made unimportable in the process (as if it were not installed): a launch, and a dry run
+    (which checks it too) through zerodp's main in this process."""
+    args = ["train", "configs/llama-tiny.yaml", *LLAMA, f"train.out_dir={tmp_path}", f"{key}={value}"]
     script = (f"import sys; sys.modules[{package!r}] = None; from zerodp.cli.commands import main; "
               f"sys.exit(main(sys.argv[1:]))")
-    cmd = [sys.executable, "-c", script, "train", "configs/llama-tiny.yaml", *LLAMA, f"train.out_dir={tmp_path}",
-           f"{key}={value}"]
-    for dry_run in ([], ["--dry-run"]):  # a dry run checks it too
-        r = subprocess.run(cmd + dry_run, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    launched = subprocess.run([sys.executable, "-c", script, *args], env=_env(), cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+    monkeypatch.setitem(sys.modules, package, None)
+    for r in (launched, zerodp_here(*args, "--dry-run")):
         assert r.returncode == 2, r.stderr
         assert "Traceback" not in r.stderr
         lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

@@ -120,27 +120,17 @@ def prepare_chat(opts, not_replaceable) -> dict:
             raise UserError(f"no conversation reached train.bin ({rows:,} rows{'; ' + why if why else ''}); check "
                             f"the rows' fields (--messages-field, --prompt-field, --response-field), --max-len "
                             f"and --val-fraction")
-        meta = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "zerodp_version": __version__,
-            "tokenizer": {"path": str(tok.path.resolve()), "sha256": tok.sha256},
-            "vocab_size": tok.vocab_size, "dtype": tok.dtype.name,
-            "eot_id": None, "eot_token": None, "special_tokens": False,
-            "field": opts.messages_field, "val_fraction": opts.val_fraction, "seed": opts.seed,
-            "splits": {s: {"file": f"{s}.bin", **{k: counts[s][k] for k in ("documents", "tokens")},
-                           "targets": counts[s]["targets"],
-                           "index": {"file": f"{s}.idx", "dtype": "int64", "of": "each conversation's first token"},
-                           "mask": {"file": f"{s}.mask", "dtype": "uint8", "of": "1 where the token is a target"}}
-                       for s in SPLITS},
-            "chat": {**template_meta(tpl, tok), "train_on": opts.train_on,
-                     "max_len": opts.max_len, "too_long": opts.too_long, "rows": rows, "skipped": skipped,
-                     "truncated": truncated, "val_from_train": moved,
-                     "fields": dict(zip(("messages", "prompt", "response"), fields))},
-            "documents": counts["train"]["documents"] + counts["val"]["documents"], "split_by_tokens": 0,
-            "tokens": sum(counts[s]["tokens"] for s in SPLITS),
-            **sources_meta(sources),
-            "seconds": round(time.time() - t0, 3),
-            "command": chat_command_line(opts),
-        }
+        meta = masked_meta(tok, counts, sources, t0, opts, special_tokens=False, counted=("documents", "tokens"),
+                           index_of="each conversation's first token", mask_of="1 where the token is a target",
+                           record={"field": opts.messages_field, "chat": {
+                               **template_meta(tpl, tok), "train_on": opts.train_on, "max_len": opts.max_len,
+                               "too_long": opts.too_long, "rows": rows, "skipped": skipped, "truncated": truncated,
+                               "val_from_train": moved,
+                               "fields": dict(zip(("messages", "prompt", "response"), fields))}},
+                           command=command_line(opts, "--chat", "--messages-field", opts.messages_field,
+                                                "--prompt-field", opts.prompt_field, "--response-field",
+                                                opts.response_field, "--train-on", opts.train_on, "--too-long",
+                                                opts.too_long))
         (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -210,12 +200,35 @@ def _flush(tok, pending, opts, files, counts, skipped, val_mask) -> int:
     return truncated
 
 
-def chat_command_line(opts) -> str:
+def masked_meta(tok, counts: dict, sources, t0: float, opts, *, special_tokens: bool, counted: tuple[str, ...],
+                index_of: str, mask_of: str, record: dict, command: str) -> dict:
+    """meta.json of a folder of masked sequences (`prepare --chat`, `--preference`): the tokenizer, each split's
+    files with its `counted` figures and targets (what its index and mask hold: `index_of`, `mask_of`), `record`
+    (the kind's own keys), the sources and the `command` that makes the folder again."""
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "zerodp_version": __version__,
+        "tokenizer": {"path": str(tok.path.resolve()), "sha256": tok.sha256},
+        "vocab_size": tok.vocab_size, "dtype": tok.dtype.name,
+        "eot_id": None, "eot_token": None, "special_tokens": special_tokens,
+        "val_fraction": opts.val_fraction, "seed": opts.seed,
+        "splits": {s: {"file": f"{s}.bin", **{k: counts[s][k] for k in counted}, "targets": counts[s]["targets"],
+                       "index": {"file": f"{s}.idx", "dtype": "int64", "of": index_of},
+                       "mask": {"file": f"{s}.mask", "dtype": "uint8", "of": mask_of}}
+                   for s in SPLITS},
+        **record,
+        "documents": counts["train"]["documents"] + counts["val"]["documents"], "split_by_tokens": 0,
+        "tokens": sum(counts[s]["tokens"] for s in SPLITS),
+        **sources_meta(sources),
+        "seconds": round(time.time() - t0, 3),
+        "command": command,
+    }
+
+
+def command_line(opts, kind: str, *options: str) -> str:
+    """`zerodp prepare INPUTS KIND --tokenizer T --out O OPTIONS ...`: the command that makes the folder again."""
     import shlex
 
-    args = ["zerodp", "prepare", *opts.inputs, "--chat", "--tokenizer", opts.tokenizer, "--out", opts.out,
-            "--messages-field", opts.messages_field, "--prompt-field", opts.prompt_field,
-            "--response-field", opts.response_field, "--train-on", opts.train_on, "--too-long", opts.too_long,
+    args = ["zerodp", "prepare", *opts.inputs, kind, "--tokenizer", opts.tokenizer, "--out", opts.out, *options,
             "--val-fraction", repr(opts.val_fraction), "--seed", str(opts.seed)]
     args += ["--chat-template", opts.chat_template] if opts.chat_template else []
     args += ["--max-len", str(opts.max_len)] if opts.max_len is not None else []

@@ -32,16 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-from zerodp import __version__
 from zerodp.checkpoint.safe_output import staged
-from zerodp.config.sources import FORMAT, META
+from zerodp.config.sources import META
 from zerodp.data.chat import Refused, load_template
-from zerodp.data.prepare_chat import check_lengths, row_sources, template_meta
-from zerodp.data.sources import records, sources_meta
+from zerodp.data.prepare_chat import SPLITS, check_lengths, command_line, masked_meta, row_sources, template_meta
+from zerodp.data.sources import records
 from zerodp.data.tokenizer import load_tokenizer
 from zerodp.errors import UserError
 
-FORMAT_VERSION, SPLITS = 2, ("train", "val")
 FIELDS = ("prompt", "chosen", "rejected")
 SKIPS = ("missing_field", "empty_completion", "prompt_too_long", "refused_by_template")
 
@@ -190,36 +188,14 @@ def prepare_preference(opts, not_replaceable) -> dict:
                             f"row needs prompt, chosen and rejected (strings, or lists of messages), and "
                             f"--max-len and --val-fraction must leave some")
         tpl = encoder.template if forms["conversational"] else None
-        meta = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "zerodp_version": __version__,
-            "tokenizer": {"path": str(tok.path.resolve()), "sha256": tok.sha256},
-            "vocab_size": tok.vocab_size, "dtype": tok.dtype.name,
-            "eot_id": None, "eot_token": None, "special_tokens": bool(forms["plain"]),
-            "val_fraction": opts.val_fraction, "seed": opts.seed,
-            "splits": {s: {"file": f"{s}.bin", **{k: counts[s][k] for k in ("pairs", "documents", "tokens")},
-                           "targets": counts[s]["targets"],
-                           "index": {"file": f"{s}.idx", "dtype": "int64",
-                                     "of": "each sequence's first token: pair i is the chosen 2i, the rejected 2i+1"},
-                           "mask": {"file": f"{s}.mask", "dtype": "uint8", "of": "1 where the token is a completion's"}}
-                       for s in SPLITS},
-            "preference": {"rows": rows, "forms": forms, "skipped": skipped, "truncated": truncated,
-                           "max_len": opts.max_len, "eos_token": encoder.eos if forms["plain"] else None},
-            **({"chat": template_meta(tpl, tok)} if tpl is not None else {}),
-            "documents": counts["train"]["documents"] + counts["val"]["documents"], "split_by_tokens": 0,
-            "tokens": sum(counts[s]["tokens"] for s in SPLITS),
-            **sources_meta(sources),
-            "seconds": round(time.time() - t0, 3),
-            "command": preference_command_line(opts),
-        }
+        meta = masked_meta(tok, counts, sources, t0, opts, special_tokens=bool(forms["plain"]),
+                           counted=("pairs", "documents", "tokens"),
+                           index_of="each sequence's first token: pair i is the chosen 2i, the rejected 2i+1",
+                           mask_of="1 where the token is a completion's",
+                           record={"preference": {"rows": rows, "forms": forms, "skipped": skipped,
+                                                  "truncated": truncated, "max_len": opts.max_len,
+                                                  "eos_token": encoder.eos if forms["plain"] else None},
+                                   **({"chat": template_meta(tpl, tok)} if tpl is not None else {})},
+                           command=command_line(opts, "--preference"))
         (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
-
-
-def preference_command_line(opts) -> str:
-    import shlex
-
-    args = ["zerodp", "prepare", *opts.inputs, "--preference", "--tokenizer", opts.tokenizer, "--out", opts.out,
-            "--val-fraction", repr(opts.val_fraction), "--seed", str(opts.seed)]
-    args += ["--chat-template", opts.chat_template] if opts.chat_template else []
-    args += ["--max-len", str(opts.max_len)] if opts.max_len is not None else []
-    return shlex.join(args)

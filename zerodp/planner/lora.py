@@ -27,7 +27,7 @@ from typing import Optional
 from zerodp.errors import UserError
 from zerodp.models.lora_spec import LoraSpec, adapter_count, adapter_shapes, check_targets
 from zerodp.planner.types import MemoryEstimate, ModelSpec, Workload
-from zerodp.planner.units import COMPUTE_BYTES, aligned, human_count, seconds
+from zerodp.planner.units import COMPUTE_BYTES, aligned, human_count, side_by_side
 
 
 def with_lora(model: ModelSpec, spec: LoraSpec, where: str = "model.lora.targets") -> ModelSpec:
@@ -133,16 +133,8 @@ def comparison_lines(lora_rows: list[MemoryEstimate], full_rows: list[MemoryEsti
     """The side-by-side table `zerodp plan` prints under a LoRA plan: each row's memory per GPU and whether
     it fits, fully fine-tuned and with the adapters (each at its own micro batch and checkpointing)."""
     full = {e.name: e for e in full_rows}
-    rows = [("strategy", "full FT", "fits", "LoRA", "fits", "ckpt FT/LoRA", "step FT/LoRA")]
-    for e in lora_rows:
-        f = full.get(e.name)
-        if f is None:
-            continue
-        rows.append((e.name, f"{f.total_bytes / 1e9:.1f}", "yes" if f.fits else "NO", f"{e.total_bytes / 1e9:.1f}",
-                     "yes" if e.fits else "NO", f"{f.activation_checkpointing}/{e.activation_checkpointing}",
-                     f"{seconds(f.step_s)}/{seconds(e.step_s)}"))
     lines = ["Full fine-tuning vs LoRA (total GB per GPU, each row at its own checkpointing):"]
-    lines += aligned(rows)
+    lines += aligned(side_by_side(lora_rows, full_rows, ("full FT", "FT"), ("LoRA", "LoRA")))
     fits_lora = [e.name for e in lora_rows if e.fits and not (full.get(e.name) and full[e.name].fits)]
     if fits_lora:
         lines.append(f"Only with the adapters: {', '.join(fits_lora)}.")

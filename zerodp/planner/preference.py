@@ -31,7 +31,7 @@ from typing import Optional
 from zerodp.planner.buckets import bucket_bytes, grad_bytes
 from zerodp.planner.persistence import persistent_param_bytes
 from zerodp.planner.types import Layout, MemoryEstimate, ModelSpec
-from zerodp.planner.units import COMPUTE_BYTES, aligned, seconds
+from zerodp.planner.units import COMPUTE_BYTES, aligned, side_by_side
 
 REFERENCES = ("live", "adapters-off", "precomputed")
 """dpo.reference's values; None: no reference (SFT, or dpo.loss=simpo)."""
@@ -141,16 +141,8 @@ def comparison_lines(dpo_rows: list[MemoryEstimate], sft_rows: list[MemoryEstima
     """The side-by-side table `zerodp plan --objective dpo` prints: each row's memory per GPU, whether it fits and
     its step, under SFT and DPO (each at its own micro batch and checkpointing), and the reference's share."""
     sft = {e.name: e for e in sft_rows}
-    rows = [("strategy", "SFT", "fits", "DPO", "fits", "refer", "avoidable", "ckpt SFT/DPO", "step SFT/DPO")]
-    for e in dpo_rows:
-        s = sft.get(e.name)
-        if s is None:
-            continue
-        rows.append((e.name, f"{s.total_bytes / 1e9:.1f}", "yes" if s.fits else "NO", f"{e.total_bytes / 1e9:.1f}",
-                     "yes" if e.fits else "NO", f"{e.reference_bytes / 1e9:.1f}",
-                     f"{e.reference_avoidable_bytes / 1e9:.1f}",
-                     f"{s.activation_checkpointing}/{e.activation_checkpointing}",
-                     f"{seconds(s.step_s)}/{seconds(e.step_s)}"))
+    rows = side_by_side(dpo_rows, sft_rows, ("SFT", "SFT"), ("DPO", "DPO"), ("refer", "avoidable"),
+                        lambda e: (f"{e.reference_bytes / 1e9:.1f}", f"{e.reference_avoidable_bytes / 1e9:.1f}"))
     lines = [f"SFT vs DPO with dpo.reference={reference} (total GB per GPU, each row at its own checkpointing; "
              f"refer: what the reference holds, avoidable: of it, the buffers the engine builds for any model and a "
              f"frozen one never uses):"]

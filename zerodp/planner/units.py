@@ -102,3 +102,22 @@ def aligned(rows: list) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)).rstrip()
             for r in rows]
+
+
+def side_by_side(rows: list, base_rows: list, base: tuple[str, str], this: tuple[str, str], extra_heads=(),
+                 extra=lambda e: ()) -> list[tuple]:
+    """The table rows (header first) of two plans' estimates by strategy, `rows` beside `base_rows` of the same
+    name (a row without one is left out): each one's total GB per GPU and whether it fits, `extra`'s columns
+    of the row, then each one's checkpointing mode and step. `base`, `this`: (column name, short name)."""
+    by_name = {e.name: e for e in base_rows}
+    table = [("strategy", base[0], "fits", this[0], "fits", *extra_heads, f"ckpt {base[1]}/{this[1]}",
+              f"step {base[1]}/{this[1]}")]
+    for e in rows:
+        b = by_name.get(e.name)
+        if b is None:
+            continue
+        table.append((e.name, f"{b.total_bytes / 1e9:.1f}", "yes" if b.fits else "NO", f"{e.total_bytes / 1e9:.1f}",
+                      "yes" if e.fits else "NO", *extra(e),
+                      f"{b.activation_checkpointing}/{e.activation_checkpointing}",
+                      f"{seconds(b.step_s)}/{seconds(e.step_s)}"))
+    return table
